@@ -1,0 +1,466 @@
+//! W4A16 matrix products against a frozen 4-bit weight `W[N, K]`.
+//!
+//! * [`matmul`]: `Y[M,N] = X[M,K] · deq(W)ᵀ (+ bias[N]) (+ s · T[M,r] · B[N,r]ᵀ)` with
+//!   `T = X·Aᵀ` from [`lora_down`]: the LoRA term is added in the epilogue, so `Y` is written once.
+//! * [`matmul_transposed`]: `dX[M,K] = dY[M,N] · deq(W)`, the backward product for dX.
+//!
+//! Both tile the output over a 16x16 cube, each unit owning a 2x2 patch, with the activation tile
+//! loaded as 4-wide vectors and the weight tile decoded from u32 words (8 codes each) into shared
+//! memory. Correct and simple; the fast sm_90 kernels are a separate piece of work.
+
+use crate::device::{decode_word_to, grid_1d, linear_cube, shape_err, DeviceWeight, KernelError};
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+/// Output rows (M) per cube.
+const TILE_M: usize = 32;
+/// Output columns per cube.
+const TILE_N: usize = 32;
+/// Reduction depth per shared-memory stage (one NVFP4 block).
+const TILE_K: usize = 16;
+/// Activation vector width: `K` is a multiple of 16, so of 4.
+const VEC: usize = 4;
+
+/// `acc += sum over kk of a[row][kk] * b[col][kk]`, from two row-major tiles of stride `stride`.
+#[cube]
+fn dot_tile(
+    a: &SharedMemory<f32>,
+    b: &SharedMemory<f32>,
+    a_row: usize,
+    b_row: usize,
+    #[comptime] depth: usize,
+    #[comptime] stride: usize,
+) -> f32 {
+    let mut acc = 0.0f32;
+    #[unroll]
+    for kk in 0..depth {
+        acc += a[a_row * stride + kk] * b[b_row * stride + kk];
+    }
+    acc
+}
+
+/// Bias and LoRA epilogue for one output element, then the store.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_output<F: Float>(
+    acc: f32,
+    m: usize,
+    n: usize,
+    bias: &Array<F>,
+    lora_t: &Array<f32>,
+    lora_b: &Array<F>,
+    y: &mut Array<F>,
+    m_rows: usize,
+    n_cols: usize,
+    rank: usize,
+    lora_scale: f32,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+) {
+    if m < m_rows && n < n_cols {
+        let mut v = acc;
+        if has_bias {
+            v += f32::cast_from(bias[n]);
+        }
+        if has_lora {
+            let mut l = 0.0f32;
+            for j in 0..rank {
+                l += lora_t[m * rank + j] * f32::cast_from(lora_b[n * rank + j]);
+            }
+            v += lora_scale * l;
+        }
+        y[m * n_cols + n] = F::cast_from(v);
+    }
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn matmul_kernel<F: Float, V: Size>(
+    x: &Array<Vector<F, V>>,
+    codes: &Array<u32>,
+    scale_bytes: &Array<u32>,
+    scale_table: &Array<f32>,
+    code_table: &Array<f32>,
+    bias: &Array<F>,
+    lora_t: &Array<f32>,
+    lora_b: &Array<F>,
+    y: &mut Array<F>,
+    m_rows: u32,
+    n_cols: u32,
+    k_dim: u32,
+    rank: u32,
+    lora_scale: f32,
+    #[comptime] block: usize,
+    #[comptime] byte_scales: bool,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+) {
+    let stride = TILE_K + 1;
+    let mut xs = SharedMemory::<f32>::new(TILE_M * (TILE_K + 1));
+    let mut ws = SharedMemory::<f32>::new(TILE_N * (TILE_K + 1));
+    let m_rows = m_rows as usize;
+    let n_cols = n_cols as usize;
+    let k_dim = k_dim as usize;
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let tid = ty * 16 + tx;
+    let m0 = CUBE_POS_Y as usize * TILE_M;
+    let n0 = CUBE_POS_X as usize * TILE_N;
+    let vecs_per_row = k_dim / VEC;
+    let vecs_per_tile = TILE_K / VEC;
+    let words_per_row = k_dim / 8;
+
+    let mut acc00 = 0.0f32;
+    let mut acc01 = 0.0f32;
+    let mut acc10 = 0.0f32;
+    let mut acc11 = 0.0f32;
+
+    for kt in 0..k_dim / TILE_K {
+        if tid < TILE_M * vecs_per_tile {
+            // Activations: one 4-wide vector per unit.
+            let r = tid / vecs_per_tile;
+            let v = tid % vecs_per_tile;
+            let m = m0 + r;
+            let mut vec = Vector::<F, V>::new(F::new(0.0));
+            if m < m_rows {
+                vec = x[m * vecs_per_row + kt * vecs_per_tile + v];
+            }
+            #[unroll]
+            for i in 0..VEC {
+                xs[r * stride + v * VEC + i] = f32::cast_from(vec[i]);
+            }
+        } else if tid < TILE_M * vecs_per_tile + TILE_N * (TILE_K / 8) {
+            // Weights: one u32 word (8 codes) per unit.
+            let j = tid - TILE_M * vecs_per_tile;
+            let r = j / (TILE_K / 8);
+            let half = j % (TILE_K / 8);
+            let n = n0 + r;
+            if n < n_cols {
+                let w = n * words_per_row + kt * (TILE_K / 8) + half;
+                decode_word_to(
+                    codes,
+                    scale_bytes,
+                    scale_table,
+                    code_table,
+                    w,
+                    &mut ws,
+                    r * stride + half * 8,
+                    block,
+                    byte_scales,
+                );
+            } else {
+                #[unroll]
+                for i in 0..8usize {
+                    ws[r * stride + half * 8 + i] = 0.0f32;
+                }
+            }
+        }
+        sync_cube();
+        acc00 += dot_tile(&xs, &ws, ty, tx, TILE_K, TILE_K + 1);
+        acc01 += dot_tile(&xs, &ws, ty, tx + 16, TILE_K, TILE_K + 1);
+        acc10 += dot_tile(&xs, &ws, ty + 16, tx, TILE_K, TILE_K + 1);
+        acc11 += dot_tile(&xs, &ws, ty + 16, tx + 16, TILE_K, TILE_K + 1);
+        sync_cube();
+    }
+
+    let rank = rank as usize;
+    store_output::<F>(
+        acc00, m0 + ty, n0 + tx, bias, lora_t, lora_b, y, m_rows, n_cols, rank, lora_scale,
+        has_bias, has_lora,
+    );
+    store_output::<F>(
+        acc01, m0 + ty, n0 + tx + 16, bias, lora_t, lora_b, y, m_rows, n_cols, rank, lora_scale,
+        has_bias, has_lora,
+    );
+    store_output::<F>(
+        acc10, m0 + ty + 16, n0 + tx, bias, lora_t, lora_b, y, m_rows, n_cols, rank, lora_scale,
+        has_bias, has_lora,
+    );
+    store_output::<F>(
+        acc11, m0 + ty + 16, n0 + tx + 16, bias, lora_t, lora_b, y, m_rows, n_cols, rank,
+        lora_scale, has_bias, has_lora,
+    );
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn matmul_transposed_kernel<F: Float>(
+    dy: &Array<F>,
+    codes: &Array<u32>,
+    scale_bytes: &Array<u32>,
+    scale_table: &Array<f32>,
+    code_table: &Array<f32>,
+    dx: &mut Array<F>,
+    m_rows: u32,
+    n_cols: u32,
+    k_dim: u32,
+    #[comptime] block: usize,
+    #[comptime] byte_scales: bool,
+) {
+    // Output tile: 32 rows of dX by 32 columns (K); reduction over N in steps of 16.
+    let mut gs = SharedMemory::<f32>::new(TILE_M * (16 + 1));
+    let mut ws = SharedMemory::<f32>::new(16 * (TILE_N + 1));
+    let m_rows = m_rows as usize;
+    let n_cols = n_cols as usize;
+    let k_dim = k_dim as usize;
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let tid = ty * 16 + tx;
+    let m0 = CUBE_POS_Y as usize * TILE_M;
+    let k0 = CUBE_POS_X as usize * TILE_N;
+    let words_per_row = k_dim / 8;
+    let g_stride = 16 + 1;
+    let w_stride = TILE_N + 1;
+
+    let mut acc00 = 0.0f32;
+    let mut acc01 = 0.0f32;
+    let mut acc10 = 0.0f32;
+    let mut acc11 = 0.0f32;
+
+    for nt in 0..n_cols.div_ceil(16) {
+        let n0 = nt * 16;
+        // dY tile [32 x 16]: two scalars per unit.
+        #[unroll]
+        for q in 0..2usize {
+            let idx = tid + q * 256;
+            let r = idx / 16;
+            let c = idx % 16;
+            let m = m0 + r;
+            let n = n0 + c;
+            let mut v = 0.0f32;
+            if m < m_rows && n < n_cols {
+                v = f32::cast_from(dy[m * n_cols + n]);
+            }
+            gs[r * g_stride + c] = v;
+        }
+        // W tile [16 x 32]: 4 words per row, one word per unit.
+        if tid < 64 {
+            let r = tid / 4;
+            let q = tid % 4;
+            let n = n0 + r;
+            let k = k0 + q * 8;
+            if n < n_cols && k < k_dim {
+                decode_word_to(
+                    codes,
+                    scale_bytes,
+                    scale_table,
+                    code_table,
+                    n * words_per_row + k / 8,
+                    &mut ws,
+                    r * w_stride + q * 8,
+                    block,
+                    byte_scales,
+                );
+            } else {
+                #[unroll]
+                for i in 0..8usize {
+                    ws[r * w_stride + q * 8 + i] = 0.0f32;
+                }
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for nn in 0..16usize {
+            let g0 = gs[ty * g_stride + nn];
+            let g1 = gs[(ty + 16) * g_stride + nn];
+            let w0 = ws[nn * w_stride + tx];
+            let w1 = ws[nn * w_stride + tx + 16];
+            acc00 += g0 * w0;
+            acc01 += g0 * w1;
+            acc10 += g1 * w0;
+            acc11 += g1 * w1;
+        }
+        sync_cube();
+    }
+
+    let m = m0 + ty;
+    let k = k0 + tx;
+    if m < m_rows && k < k_dim {
+        dx[m * k_dim + k] = F::cast_from(acc00);
+    }
+    if m < m_rows && k + 16 < k_dim {
+        dx[m * k_dim + k + 16] = F::cast_from(acc01);
+    }
+    if m + 16 < m_rows && k < k_dim {
+        dx[(m + 16) * k_dim + k] = F::cast_from(acc10);
+    }
+    if m + 16 < m_rows && k + 16 < k_dim {
+        dx[(m + 16) * k_dim + k + 16] = F::cast_from(acc11);
+    }
+}
+
+#[cube(launch_unchecked)]
+fn lora_down_kernel<F: Float>(
+    x: &Array<F>,
+    a: &Array<F>,
+    t: &mut Array<f32>,
+    m_rows: u32,
+    k_dim: u32,
+    rank: u32,
+) {
+    let idx = linear_cube() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let rank = rank as usize;
+    let k_dim = k_dim as usize;
+    if idx < m_rows as usize * rank {
+        let m = idx / rank;
+        let j = idx % rank;
+        let mut acc = 0.0f32;
+        for k in 0..k_dim {
+            acc += f32::cast_from(x[m * k_dim + k]) * f32::cast_from(a[j * k_dim + k]);
+        }
+        t[idx] = acc;
+    }
+}
+
+/// The LoRA adapter of a linear: `A[r, K]`, `B[N, r]` (PEFT's `lora_A`, `lora_B`), scale `s`
+/// (`alpha / r`), and `T[M, r] = X·Aᵀ` in f32 from [`lora_down`].
+#[derive(Clone, Debug)]
+pub struct LoraEpilogue<'a> {
+    pub t: &'a Handle,
+    pub b: &'a Handle,
+    pub rank: usize,
+    pub scale: f32,
+}
+
+fn bytes_of<F>(len: usize) -> usize {
+    len * std::mem::size_of::<F>()
+}
+
+fn check_buffer(kernel: &'static str, what: &str, h: &Handle, bytes: usize) -> Result<(), KernelError> {
+    if (h.size() as usize) < bytes {
+        return Err(shape_err(
+            kernel,
+            format!("{what} holds {} bytes but needs {bytes}", h.size()),
+        ));
+    }
+    Ok(())
+}
+
+/// `T[M, r] = X[M, K] · A[r, K]ᵀ` in f32: the small first half of the LoRA branch.
+pub fn lora_down<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    a: &Handle,
+    t: &Handle,
+    m: usize,
+    k: usize,
+    rank: usize,
+) -> Result<(), KernelError> {
+    check_buffer("lora_down", "x", x, bytes_of::<F>(m * k))?;
+    check_buffer("lora_down", "A", a, bytes_of::<F>(rank * k))?;
+    check_buffer("lora_down", "T", t, bytes_of::<f32>(m * rank))?;
+    let units = m * rank;
+    // SAFETY: the kernel reads x[m*k], a[rank*k] and writes t[m*rank], all checked above.
+    unsafe {
+        lora_down_kernel::launch_unchecked::<F, R>(
+            client,
+            grid_1d(units.div_ceil(256)),
+            CubeDim::new_1d(256),
+            ArrayArg::from_raw_parts(x.clone(), m * k),
+            ArrayArg::from_raw_parts(a.clone(), rank * k),
+            ArrayArg::from_raw_parts(t.clone(), m * rank),
+            m as u32,
+            k as u32,
+            rank as u32,
+        );
+    }
+    Ok(())
+}
+
+/// `Y[M, N] = X[M, K] · deq(W)ᵀ (+ bias) (+ LoRA)`. `x` holds `M*K` elements of `F`, `y` `M*N`.
+pub fn matmul<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    weight: &DeviceWeight,
+    bias: Option<&Handle>,
+    lora: Option<LoraEpilogue<'_>>,
+    y: &Handle,
+) -> Result<(), KernelError> {
+    let (n, k) = (weight.n, weight.k);
+    if m == 0 {
+        return Err(shape_err("matmul", "M = 0".into()));
+    }
+    check_buffer("matmul", "x", x, bytes_of::<F>(m * k))?;
+    check_buffer("matmul", "y", y, bytes_of::<F>(m * n))?;
+    if let Some(b) = bias {
+        check_buffer("matmul", "bias", b, bytes_of::<F>(n))?;
+    }
+    if let Some(l) = &lora {
+        check_buffer("matmul", "LoRA T", l.t, bytes_of::<f32>(m * l.rank))?;
+        check_buffer("matmul", "LoRA B", l.b, bytes_of::<F>(n * l.rank))?;
+    }
+    // Unused optional inputs are bound to a buffer that is never read.
+    let bias_h = bias.unwrap_or(&weight.code_table).clone();
+    let (t_h, b_h, rank, scale) = match &lora {
+        Some(l) => (l.t.clone(), l.b.clone(), l.rank, l.scale),
+        None => (weight.code_table.clone(), weight.code_table.clone(), 0, 0.0),
+    };
+    let count = CubeCount::Static(n.div_ceil(TILE_N) as u32, m.div_ceil(TILE_M) as u32, 1);
+    // SAFETY: buffer sizes are checked above; the kernel bounds every row/column by m and n and
+    // K is a multiple of the block size (a DeviceWeight invariant).
+    unsafe {
+        matmul_kernel::launch_unchecked::<F, R>(
+            client,
+            count,
+            CubeDim::new_2d(16, 16),
+            VEC,
+            ArrayArg::from_raw_parts(x.clone(), m * k / VEC),
+            ArrayArg::from_raw_parts(weight.codes.clone(), weight.words()),
+            ArrayArg::from_raw_parts(weight.scale_bytes.clone(), weight.scale_words()),
+            ArrayArg::from_raw_parts(weight.scale_table.clone(), weight.scale_table_len()),
+            ArrayArg::from_raw_parts(weight.code_table.clone(), 16),
+            ArrayArg::from_raw_parts(bias_h, n),
+            ArrayArg::from_raw_parts(t_h, m * rank.max(1)),
+            ArrayArg::from_raw_parts(b_h, n * rank.max(1)),
+            ArrayArg::from_raw_parts(y.clone(), m * n),
+            m as u32,
+            n as u32,
+            k as u32,
+            rank as u32,
+            scale,
+            weight.block(),
+            weight.byte_scales(),
+            bias.is_some(),
+            lora.is_some(),
+        );
+    }
+    Ok(())
+}
+
+/// `dX[M, K] = dY[M, N] · deq(W)[N, K]`: the input gradient of [`matmul`], with no dense `W`.
+pub fn matmul_transposed<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    dy: &Handle,
+    m: usize,
+    weight: &DeviceWeight,
+    dx: &Handle,
+) -> Result<(), KernelError> {
+    let (n, k) = (weight.n, weight.k);
+    if m == 0 {
+        return Err(shape_err("matmul_transposed", "M = 0".into()));
+    }
+    check_buffer("matmul_transposed", "dY", dy, bytes_of::<F>(m * n))?;
+    check_buffer("matmul_transposed", "dX", dx, bytes_of::<F>(m * k))?;
+    let count = CubeCount::Static(k.div_ceil(TILE_N) as u32, m.div_ceil(TILE_M) as u32, 1);
+    // SAFETY: sizes checked above; the kernel bounds rows by m, columns by k, reduction by n.
+    unsafe {
+        matmul_transposed_kernel::launch_unchecked::<F, R>(
+            client,
+            count,
+            CubeDim::new_2d(16, 16),
+            ArrayArg::from_raw_parts(dy.clone(), m * n),
+            ArrayArg::from_raw_parts(weight.codes.clone(), weight.words()),
+            ArrayArg::from_raw_parts(weight.scale_bytes.clone(), weight.scale_words()),
+            ArrayArg::from_raw_parts(weight.scale_table.clone(), weight.scale_table_len()),
+            ArrayArg::from_raw_parts(weight.code_table.clone(), 16),
+            ArrayArg::from_raw_parts(dx.clone(), m * k),
+            m as u32,
+            n as u32,
+            k as u32,
+            weight.block(),
+            weight.byte_scales(),
+        );
+    }
+    Ok(())
+}

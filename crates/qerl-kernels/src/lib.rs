@@ -1,0 +1,27 @@
+//! CubeCL kernels for qerl, generic over the runtime (CUDA, wgpu) and the float type.
+//!
+//! * [`dequant`]: packed 4-bit weight + scales -> dense `[N, K]`.
+//! * [`gemm`]: W4A16 `Y[M,N] = X[M,K] · deq(W)[N,K]^T (+ bias) (+ s·(X·Aᵀ)·Bᵀ)`, the LoRA term
+//!   applied in the epilogue; and the backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`.
+//! * [`rms_norm`]: fused noisy RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ (w + z)`, forward and backward.
+//!
+//! Every kernel accumulates in f32 whatever the activation type `F` (f32/f16 on wgpu, bf16 on
+//! CUDA). Weights live on the device as a [`DeviceWeight`]: 4-bit codes packed eight to a `u32`
+//! (element `k` of a word at bits `4k..4k+4`), and per-block scales, looked up through small
+//! tables so that one kernel serves NVFP4, MXFP4 and NF4. wgpu cannot take `u8` kernel
+//! arguments, hence the `u32` words.
+
+pub mod dequant;
+mod device;
+pub mod gemm;
+pub mod rms_norm;
+
+pub use device::{DeviceWeight, KernelError};
+
+/// Runtimes compiled into this build.
+pub mod runtime {
+    #[cfg(feature = "cuda")]
+    pub use cubecl::cuda::{CudaDevice, CudaRuntime};
+    #[cfg(feature = "wgpu")]
+    pub use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+}
