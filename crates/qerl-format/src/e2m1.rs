@@ -18,9 +18,9 @@ pub fn e2m1_table() -> [f32; 16] {
 /// Rounds `x` to the nearest E2M1 code, ties to the even code, saturating at ±6.
 ///
 /// The midpoints and their direction (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4)
-/// are those of compressed-tensors' FP4 cast. A value that rounds to zero gets code 0, also when
-/// negative: that library derives the sign bit from `x < 0` after rounding, and -0.0 < 0 is false.
-/// NaN encodes as 0.
+/// are those of compressed-tensors' FP4 cast. The sign bit is `x < 0` before rounding, as in that
+/// library: a small negative value that rounds to zero gets code 0x8 (negative zero), while
+/// exact zeros of either sign get 0x0. NaN encodes as 0.
 pub fn e2m1_from_f32(x: f32) -> u8 {
     let a = x.abs();
     let magnitude: u8 = if a <= 0.25 || a.is_nan() {
@@ -40,7 +40,7 @@ pub fn e2m1_from_f32(x: f32) -> u8 {
     } else {
         7
     };
-    if magnitude != 0 && x < 0.0 {
+    if x < 0.0 {
         magnitude | 0x8
     } else {
         magnitude
@@ -59,7 +59,10 @@ pub fn e2m1_to_f32(code: u8) -> f32 {
 
 /// Packs 4-bit codes two per byte, element `2j` in the low nibble. `codes.len()` must be even.
 pub fn pack_nibbles(codes: &[u8]) -> Vec<u8> {
-    assert!(codes.len() % 2 == 0, "pack_nibbles needs an even number of codes");
+    assert!(
+        codes.len() % 2 == 0,
+        "pack_nibbles needs an even number of codes"
+    );
     codes
         .chunks_exact(2)
         .map(|p| (p[0] & 0x0f) | ((p[1] & 0x0f) << 4))
@@ -94,7 +97,8 @@ mod tests {
         for (x, want) in cases {
             assert_eq!(e2m1_to_f32(e2m1_from_f32(x)), want, "x = {x}");
         }
-        assert_eq!(e2m1_from_f32(-0.1), 0, "negative values rounding to zero get code 0");
+        assert_eq!(e2m1_from_f32(-0.1), 0x8, "small negatives keep their sign bit");
+        assert_eq!(e2m1_from_f32(-0.0), 0, "exact -0.0 is code 0");
         assert_eq!(e2m1_from_f32(-6.0), 0xf);
     }
 

@@ -66,7 +66,9 @@ impl std::str::FromStr for QuantFormat {
             "nvfp4" => Ok(QuantFormat::Nvfp4),
             "mxfp4" => Ok(QuantFormat::Mxfp4),
             "nf4" => Ok(QuantFormat::Nf4),
-            other => Err(format!("unknown format `{other}` (expected nvfp4, mxfp4 or nf4)")),
+            other => Err(format!(
+                "unknown format `{other}` (expected nvfp4, mxfp4 or nf4)"
+            )),
         }
     }
 }
@@ -81,6 +83,14 @@ pub enum SourceDtype {
 }
 
 impl SourceDtype {
+    /// Smallest positive normal number of this dtype (PyTorch's `finfo(dtype).tiny`).
+    pub fn min_positive_normal(self) -> f32 {
+        match self {
+            SourceDtype::F32 | SourceDtype::BF16 => f32::MIN_POSITIVE,
+            SourceDtype::F16 => f16::MIN_POSITIVE.to_f32(),
+        }
+    }
+
     /// Rounds an f32 to this dtype (round to nearest even) and back.
     pub fn round(self, x: f32) -> f32 {
         match self {
@@ -112,7 +122,9 @@ impl QuantizedWeight {
             QuantFormat::Nvfp4 => {
                 QuantizedWeight::Nvfp4(Nvfp4Weight::quantize(name, values, shape, dtype, None)?)
             }
-            QuantFormat::Mxfp4 => QuantizedWeight::Mxfp4(Mxfp4Weight::quantize(name, values, shape)?),
+            QuantFormat::Mxfp4 => {
+                QuantizedWeight::Mxfp4(Mxfp4Weight::quantize(name, values, shape)?)
+            }
             QuantFormat::Nf4 => QuantizedWeight::Nf4(Nf4Weight::quantize(name, values, shape)?),
         })
     }

@@ -34,11 +34,21 @@ pub struct Nvfp4Weight {
 
 /// Global scale of a tensor as compressed-tensors computes it: `448 * 6 / amax(|W|)`.
 ///
-/// The weight is given as f32 values that hold `dtype` numbers; the division happens in `dtype`
-/// and the result is widened to f32, as the library's observer does.
+/// The weight is given as f32 values that hold `dtype` numbers. PyTorch evaluates
+/// `2688 / amax` as `reciprocal(amax) * 2688`, each step rounded to the weight's dtype, so
+/// `g = dtype(dtype(1 / amax) * 2688)`, with `amax` at least the dtype's smallest normal number
+/// and a non-finite result replaced by 1 (see tools/compressed_tensors_nvfp4.md, section 2).
 pub fn global_scale(values: &[f32], dtype: SourceDtype) -> f32 {
-    let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    dtype.round((E4M3_MAX * E2M1_MAX) / amax)
+    let amax = values
+        .iter()
+        .fold(0.0f32, |m, v| m.max(v.abs()))
+        .max(dtype.min_positive_normal());
+    let g = dtype.round(dtype.round(1.0 / amax) * (E4M3_MAX * E2M1_MAX));
+    if g.is_finite() {
+        g
+    } else {
+        1.0
+    }
 }
 
 /// The global scale shared by tensors fused at inference (q/k/v, gate/up): the minimum of theirs.
@@ -98,8 +108,20 @@ impl Nvfp4Weight {
         global_scale: f32,
     ) -> Result<Self> {
         check_matrix(name, rows * cols, &[rows, cols], BLOCK, "NVFP4")?;
-        check_len(name, "weight_packed", [rows, cols], rows * cols / 2, packed.len())?;
-        check_len(name, "weight_scale", [rows, cols], rows * cols / BLOCK, scales.len())?;
+        check_len(
+            name,
+            "weight_packed",
+            [rows, cols],
+            rows * cols / 2,
+            packed.len(),
+        )?;
+        check_len(
+            name,
+            "weight_scale",
+            [rows, cols],
+            rows * cols / BLOCK,
+            scales.len(),
+        )?;
         Ok(Nvfp4Weight {
             rows,
             cols,
