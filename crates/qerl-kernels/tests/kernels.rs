@@ -61,19 +61,28 @@ fn poisoned<R: Runtime, F: Float + CubeElement>(c: &ComputeClient<R>, len: usize
 
 fn read<R: Runtime, F: Float + CubeElement>(c: &ComputeClient<R>, h: &Handle) -> Vec<f64> {
     let bytes = c.read_one(h.clone()).expect("read back");
-    F::from_bytes(&bytes).iter().map(|x| x.to_f64().unwrap()).collect()
+    F::from_bytes(&bytes)
+        .iter()
+        .map(|x| x.to_f64().unwrap())
+        .collect()
 }
 
 /// Checks every element was written and the relative Frobenius error is within `tol`.
 fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64, seed: u64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if let Some(i) = got.iter().position(|v| !v.is_finite()) {
-        panic!("{what}: element {i} is {} (unwritten or overflow), seed {seed}", got[i]);
+        panic!(
+            "{what}: element {i} is {} (unwritten or overflow), seed {seed}",
+            got[i]
+        );
     }
     let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
     let den: f64 = want.iter().map(|w| w * w).sum();
     let rel = (num / den).sqrt();
-    assert!(rel <= tol, "{what}: relative error {rel:.3e} > {tol:.1e}, seed {seed}");
+    assert!(
+        rel <= tol,
+        "{what}: relative error {rel:.3e} > {tol:.1e}, seed {seed}"
+    );
 }
 
 /// Shapes `(N, K)` per format: multiples of 16 and, where the block allows, not of 64.
@@ -350,8 +359,20 @@ pub fn rms_norm_fwd_bwd<R: Runtime, F: Float + CubeElement>(device: &R::Device, 
             );
             let what = format!("rms_norm rows={rows} dim={dim} noise={with_noise}");
             assert_close(&format!("{what} y"), &read::<R, F>(&c, &y), &ry, tol, seed);
-            assert_close(&format!("{what} dx"), &read::<R, F>(&c, &dx), &rdx, tol, seed);
-            assert_close(&format!("{what} dw"), &read::<R, F>(&c, &dw), &rdw, tol, seed);
+            assert_close(
+                &format!("{what} dx"),
+                &read::<R, F>(&c, &dx),
+                &rdx,
+                tol,
+                seed,
+            );
+            assert_close(
+                &format!("{what} dw"),
+                &read::<R, F>(&c, &dw),
+                &rdw,
+                tol,
+                seed,
+            );
         }
     }
 }
@@ -366,8 +387,12 @@ pub fn rms_norm_noise_reaches_output<R: Runtime, F: Float + CubeElement>(device:
     let (rows, dim) = (4, 64);
     let x = normal(&mut rng, rows * dim, 1.0);
     let w = vec![1.0f32; dim];
-    let z = normal(&mut rng, dim, 0.05);
-    let (xh, wh, zh) = (upload::<R, F>(&c, &x), upload::<R, F>(&c, &w), upload::<R, F>(&c, &z));
+    let z = normal(&mut rng, dim, 0.3);
+    let (xh, wh, zh) = (
+        upload::<R, F>(&c, &x),
+        upload::<R, F>(&c, &w),
+        upload::<R, F>(&c, &z),
+    );
     let run = |noise: Option<&Handle>| {
         let y = poisoned::<R, F>(&c, rows * dim);
         let rstd = c.create_from_slice(f32::as_bytes(&vec![0.0f32; rows]));
@@ -386,8 +411,9 @@ pub fn rms_norm_noise_reaches_output<R: Runtime, F: Float + CubeElement>(device:
         }
     }
     let diff: Vec<f64> = noisy.iter().zip(&clean).map(|(a, b)| a - b).collect();
-    // The difference of two rounded outputs of size ~1 carries their rounding: 5% is ample for
-    // f16 and bf16 and still fails if the noise is dropped (error 100%).
+    // The difference of two rounded outputs of size ~1 carries their rounding (bf16: about 1e-3
+    // absolute against a signal of about 0.25, i.e. ~1% relative): 5% holds for f16 and bf16 and
+    // still fails if the noise is dropped (error 100%).
     assert_close("noisy − clean = x̂ ⊙ z", &diff, &want, 0.05, seed);
 }
 
@@ -419,9 +445,21 @@ macro_rules! suite {
 }
 
 #[cfg(feature = "wgpu")]
-suite!(wgpu_f32, cubecl::wgpu::WgpuRuntime, cubecl::wgpu::WgpuDevice::default(), f32, 1e-5);
+suite!(
+    wgpu_f32,
+    cubecl::wgpu::WgpuRuntime,
+    cubecl::wgpu::WgpuDevice::default(),
+    f32,
+    1e-5
+);
 #[cfg(feature = "wgpu")]
-suite!(wgpu_f16, cubecl::wgpu::WgpuRuntime, cubecl::wgpu::WgpuDevice::default(), half::f16, 2e-3);
+suite!(
+    wgpu_f16,
+    cubecl::wgpu::WgpuRuntime,
+    cubecl::wgpu::WgpuDevice::default(),
+    half::f16,
+    2e-3
+);
 
 #[cfg(feature = "cuda")]
 suite!(cuda_bf16, cubecl::cuda::CudaRuntime, cubecl::cuda::CudaDevice::new(0), half::bf16, 1e-2,
@@ -439,9 +477,18 @@ suite!(cuda_f32, cubecl::cuda::CudaRuntime, cubecl::cuda::CudaDevice::new(0), f3
 fn rms_norm_reference_matches_finite_differences() {
     let (mut rng, seed) = fresh_rng();
     let (rows, dim, eps) = (2, 24, 1e-6);
-    let x: Vec<f64> = normal(&mut rng, rows * dim, 1.0).iter().map(|&v| v as f64).collect();
-    let gain: Vec<f64> = normal(&mut rng, dim, 0.2).iter().map(|&v| 1.0 + v as f64).collect();
-    let dy: Vec<f64> = normal(&mut rng, rows * dim, 1.0).iter().map(|&v| v as f64).collect();
+    let x: Vec<f64> = normal(&mut rng, rows * dim, 1.0)
+        .iter()
+        .map(|&v| v as f64)
+        .collect();
+    let gain: Vec<f64> = normal(&mut rng, dim, 0.2)
+        .iter()
+        .map(|&v| 1.0 + v as f64)
+        .collect();
+    let dy: Vec<f64> = normal(&mut rng, rows * dim, 1.0)
+        .iter()
+        .map(|&v| v as f64)
+        .collect();
     let (_, dx, dgain) = rms_norm_ref(&x, &gain, &dy, rows, dim, eps);
     let loss = |x: &[f64], gain: &[f64]| -> f64 {
         let (y, _, _) = rms_norm_ref(x, gain, &dy, rows, dim, eps);
@@ -453,13 +500,21 @@ fn rms_norm_reference_matches_finite_differences() {
         xp[i] += h;
         xm[i] -= h;
         let fd = (loss(&xp, &gain) - loss(&xm, &gain)) / (2.0 * h);
-        assert!((fd - dx[i]).abs() < 1e-6, "dx[{i}]: fd {fd} vs {}, seed {seed}", dx[i]);
+        assert!(
+            (fd - dx[i]).abs() < 1e-6,
+            "dx[{i}]: fd {fd} vs {}, seed {seed}",
+            dx[i]
+        );
     }
     for c in 0..dim {
         let (mut gp, mut gm) = (gain.clone(), gain.clone());
         gp[c] += h;
         gm[c] -= h;
         let fd = (loss(&x, &gp) - loss(&x, &gm)) / (2.0 * h);
-        assert!((fd - dgain[c]).abs() < 1e-6, "dw[{c}]: fd {fd} vs {}, seed {seed}", dgain[c]);
+        assert!(
+            (fd - dgain[c]).abs() < 1e-6,
+            "dw[{c}]: fd {fd} vs {}, seed {seed}",
+            dgain[c]
+        );
     }
 }
