@@ -24,7 +24,11 @@ pub enum FormatError {
     },
     /// A value that cannot be quantized (NaN or infinity) in the weights.
     #[error("tensor `{name}` holds a non-finite value ({value}) at flat index {index}")]
-    NonFinite { name: String, index: usize, value: f32 },
+    NonFinite {
+        name: String,
+        index: usize,
+        value: f32,
+    },
 }
 
 pub type Result<T, E = FormatError> = std::result::Result<T, E>;

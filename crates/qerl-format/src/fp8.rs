@@ -100,7 +100,11 @@ mod tests {
         // smallest subnormal 2^-9 -> 0x01; half of it ties to even (0).
         assert_eq!(e4m3_from_f32(f32::powi(2.0, -9)), 0x01);
         assert_eq!(e4m3_from_f32(f32::powi(2.0, -10)), 0x00);
-        assert_eq!(e4m3_from_f32(1.5 * f32::powi(2.0, -9)), 0x02, "tie to even code 2");
+        assert_eq!(
+            e4m3_from_f32(1.5 * f32::powi(2.0, -9)),
+            0x02,
+            "tie to even code 2"
+        );
         // 1.0625 lies halfway between 1.0 (mantissa 0) and 1.125 (mantissa 1): even -> 1.0.
         assert_eq!(e4m3_from_f32(1.0625), 0x38);
         // 1.1875 halfway between 1.125 (m=1) and 1.25 (m=2): even -> 1.25.

@@ -67,8 +67,20 @@ impl Mxfp4Weight {
         scales: Vec<u8>,
     ) -> Result<Self> {
         check_matrix(name, rows * cols, &[rows, cols], BLOCK, "MXFP4")?;
-        check_len(name, "weight_packed", [rows, cols], rows * cols / 2, packed.len())?;
-        check_len(name, "weight_scale", [rows, cols], rows * cols / BLOCK, scales.len())?;
+        check_len(
+            name,
+            "weight_packed",
+            [rows, cols],
+            rows * cols / 2,
+            packed.len(),
+        )?;
+        check_len(
+            name,
+            "weight_scale",
+            [rows, cols],
+            rows * cols / BLOCK,
+            scales.len(),
+        )?;
         Ok(Mxfp4Weight {
             rows,
             cols,
@@ -114,7 +126,14 @@ mod tests {
 
     #[test]
     fn exponent_is_floor_log2() {
-        for (x, e) in [(1.0f32, 0), (1.99, 0), (2.0, 1), (0.3, -2), (6.0, 2), (1e-40, -133)] {
+        for (x, e) in [
+            (1.0f32, 0),
+            (1.99, 0),
+            (2.0, 1),
+            (0.3, -2),
+            (6.0, 2),
+            (1e-40, -133),
+        ] {
             assert_eq!(exponent_of(x), e, "x = {x}");
         }
     }

@@ -94,7 +94,13 @@ impl Nf4Weight {
     ) -> Result<Self> {
         check_matrix(name, rows * cols, &[rows, cols], BLOCK, "NF4")?;
         check_len(name, "weight", [rows, cols], rows * cols / 2, packed.len())?;
-        check_len(name, "absmax", [rows, cols], rows * cols / BLOCK, absmax.len())?;
+        check_len(
+            name,
+            "absmax",
+            [rows, cols],
+            rows * cols / BLOCK,
+            absmax.len(),
+        )?;
         Ok(Nf4Weight {
             rows,
             cols,
@@ -120,7 +126,10 @@ impl Nf4Weight {
 
 /// Packs NF4 codes two a byte, the first of each pair in the high nibble.
 pub fn pack(codes: &[u8]) -> Vec<u8> {
-    assert!(codes.len() % 2 == 0, "NF4 pack needs an even number of codes");
+    assert!(
+        codes.len() % 2 == 0,
+        "NF4 pack needs an even number of codes"
+    );
     codes
         .chunks_exact(2)
         .map(|p| ((p[0] & 0x0f) << 4) | (p[1] & 0x0f))

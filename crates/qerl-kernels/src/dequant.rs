@@ -40,7 +40,12 @@ pub fn dequantize<R: Runtime, F: Float>(
     if (out.size() as usize) < needed {
         return Err(shape_err(
             "dequantize",
-            format!("output holds {} bytes, [{}, {}] needs {needed}", out.size(), weight.n, weight.k),
+            format!(
+                "output holds {} bytes, [{}, {}] needs {needed}",
+                out.size(),
+                weight.n,
+                weight.k
+            ),
         ));
     }
     let words = weight.words();

@@ -44,8 +44,7 @@ impl DeviceWeight {
     pub fn upload<R: Runtime>(client: &ComputeClient<R>, weight: &QuantizedWeight) -> Self {
         let [n, k] = weight.shape();
         let codes = pack_words(&weight.codes());
-        let (scale_bytes, scale_table, code_table): (Vec<u32>, Vec<f32>, Vec<f32>) = match weight
-        {
+        let (scale_bytes, scale_table, code_table): (Vec<u32>, Vec<f32>, Vec<f32>) = match weight {
             QuantizedWeight::Nvfp4(w) => {
                 let table = fp8::e4m3_table().map(|s| s / w.global_scale);
                 (pack_bytes(&w.scales), table.to_vec(), e2m1_table().to_vec())

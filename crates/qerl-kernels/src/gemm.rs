@@ -165,20 +165,64 @@ fn matmul_kernel<F: Float, V: Size>(
 
     let rank = rank as usize;
     store_output::<F>(
-        acc00, m0 + ty, n0 + tx, bias, lora_t, lora_b, y, m_rows, n_cols, rank, lora_scale,
-        has_bias, has_lora,
+        acc00,
+        m0 + ty,
+        n0 + tx,
+        bias,
+        lora_t,
+        lora_b,
+        y,
+        m_rows,
+        n_cols,
+        rank,
+        lora_scale,
+        has_bias,
+        has_lora,
     );
     store_output::<F>(
-        acc01, m0 + ty, n0 + tx + 16, bias, lora_t, lora_b, y, m_rows, n_cols, rank, lora_scale,
-        has_bias, has_lora,
+        acc01,
+        m0 + ty,
+        n0 + tx + 16,
+        bias,
+        lora_t,
+        lora_b,
+        y,
+        m_rows,
+        n_cols,
+        rank,
+        lora_scale,
+        has_bias,
+        has_lora,
     );
     store_output::<F>(
-        acc10, m0 + ty + 16, n0 + tx, bias, lora_t, lora_b, y, m_rows, n_cols, rank, lora_scale,
-        has_bias, has_lora,
+        acc10,
+        m0 + ty + 16,
+        n0 + tx,
+        bias,
+        lora_t,
+        lora_b,
+        y,
+        m_rows,
+        n_cols,
+        rank,
+        lora_scale,
+        has_bias,
+        has_lora,
     );
     store_output::<F>(
-        acc11, m0 + ty + 16, n0 + tx + 16, bias, lora_t, lora_b, y, m_rows, n_cols, rank,
-        lora_scale, has_bias, has_lora,
+        acc11,
+        m0 + ty + 16,
+        n0 + tx + 16,
+        bias,
+        lora_t,
+        lora_b,
+        y,
+        m_rows,
+        n_cols,
+        rank,
+        lora_scale,
+        has_bias,
+        has_lora,
     );
 }
 
@@ -326,7 +370,12 @@ fn bytes_of<F>(len: usize) -> usize {
     len * std::mem::size_of::<F>()
 }
 
-fn check_buffer(kernel: &'static str, what: &str, h: &Handle, bytes: usize) -> Result<(), KernelError> {
+fn check_buffer(
+    kernel: &'static str,
+    what: &str,
+    h: &Handle,
+    bytes: usize,
+) -> Result<(), KernelError> {
     if (h.size() as usize) < bytes {
         return Err(shape_err(
             kernel,

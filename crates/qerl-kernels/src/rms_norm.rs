@@ -177,7 +177,10 @@ pub fn forward<R: Runtime, F: Float>(
         check("noise", z, dim * e)?;
     }
     if rows == 0 || dim == 0 {
-        return Err(shape_err("rms_norm", format!("empty input [{rows}, {dim}]")));
+        return Err(shape_err(
+            "rms_norm",
+            format!("empty input [{rows}, {dim}]"),
+        ));
     }
     // SAFETY: sizes checked above; the kernel bounds rows and columns.
     unsafe {
@@ -225,7 +228,10 @@ pub fn backward<R: Runtime, F: Float>(
         check("noise", z, dim * e)?;
     }
     if rows == 0 || dim == 0 {
-        return Err(shape_err("rms_norm", format!("empty input [{rows}, {dim}]")));
+        return Err(shape_err(
+            "rms_norm",
+            format!("empty input [{rows}, {dim}]"),
+        ));
     }
     // SAFETY: sizes checked above; the kernels bound rows and columns.
     unsafe {
