@@ -97,7 +97,11 @@ mod tests {
         for (x, want) in cases {
             assert_eq!(e2m1_to_f32(e2m1_from_f32(x)), want, "x = {x}");
         }
-        assert_eq!(e2m1_from_f32(-0.1), 0x8, "small negatives keep their sign bit");
+        assert_eq!(
+            e2m1_from_f32(-0.1),
+            0x8,
+            "small negatives keep their sign bit"
+        );
         assert_eq!(e2m1_from_f32(-0.0), 0, "exact -0.0 is code 0");
         assert_eq!(e2m1_from_f32(-6.0), 0xf);
     }

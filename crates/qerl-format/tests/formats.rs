@@ -49,15 +49,28 @@ fn quantizing_a_dequantized_weight_gives_the_same_bytes() {
     .unwrap();
     // Equal up to the sign of zero: a small negative quantizes to code 0x8 (-0), which
     // dequantizes to -0.0, an exact zero, which quantizes to code 0.
-    let no_neg_zero =
-        |codes: Vec<u8>| -> Vec<u8> { codes.into_iter().map(|c| if c == 8 { 0 } else { c }).collect() };
+    let no_neg_zero = |codes: Vec<u8>| -> Vec<u8> {
+        codes
+            .into_iter()
+            .map(|c| if c == 8 { 0 } else { c })
+            .collect()
+    };
     assert!(q.scales == again.scales, "NVFP4 scales, seed {seed}");
-    assert!(no_neg_zero(q.codes()) == again.codes(), "NVFP4 codes, seed {seed}");
-    assert!(q.dequantize() == again.dequantize(), "NVFP4 values, seed {seed}");
+    assert!(
+        no_neg_zero(q.codes()) == again.codes(),
+        "NVFP4 codes, seed {seed}"
+    );
+    assert!(
+        q.dequantize() == again.dequantize(),
+        "NVFP4 values, seed {seed}"
+    );
     let q = Mxfp4Weight::quantize("w", &w, &[rows, cols]).unwrap();
     let again = Mxfp4Weight::quantize("w", &q.dequantize(), &[rows, cols]).unwrap();
     assert!(q.scales == again.scales, "MXFP4 scales, seed {seed}");
-    assert!(no_neg_zero(q.codes()) == again.codes(), "MXFP4 codes, seed {seed}");
+    assert!(
+        no_neg_zero(q.codes()) == again.codes(),
+        "MXFP4 codes, seed {seed}"
+    );
     let q = Nf4Weight::quantize("w", &w, &[rows, cols]).unwrap();
     let again = Nf4Weight::quantize("w", &q.dequantize(), &[rows, cols]).unwrap();
     assert!(q == again, "NF4, seed {seed}");
@@ -128,7 +141,11 @@ fn bf16_source_rounds_intermediates() {
     w[3] = v;
     let g = nvfp4::global_scale(&w, SourceDtype::BF16);
     let bf = |x: f32| half::bf16::from_f32(x).to_f32();
-    assert_eq!(g, bf(bf(1.0 / v) * 2688.0), "reciprocal first, both steps rounded to bf16");
+    assert_eq!(
+        g,
+        bf(bf(1.0 / v) * 2688.0),
+        "reciprocal first, both steps rounded to bf16"
+    );
     assert_ne!(g, 2688.0 / v, "f32 and bf16 arithmetic differ here");
     // All-zero weights: amax is clamped to the smallest normal, 2688 / 2^-126 overflows -> 1.
     assert_eq!(nvfp4::global_scale(&[0.0; 16], SourceDtype::BF16), 1.0);

@@ -1,0 +1,152 @@
+//! The output directory: staged in a hidden sibling and renamed into place only when complete,
+//! so a failed run leaves nothing behind; and the copy of the input's non-weight files.
+
+use std::collections::HashSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use super::error::{io, CheckpointError, Result};
+
+/// A temporary sibling of the output directory, removed on drop unless committed.
+#[derive(Debug)]
+pub(crate) struct Staging {
+    tmp: PathBuf,
+    out: PathBuf,
+    committed: bool,
+}
+
+fn path_err(path: &Path, why: &str) -> CheckpointError {
+    CheckpointError::OutputPath {
+        path: path.to_path_buf(),
+        why: why.to_string(),
+    }
+}
+
+impl Staging {
+    /// Checks `out` (absent or an empty directory, not `input` nor inside it) and creates the
+    /// staging directory next to it.
+    pub(crate) fn new(input: &Path, out: &Path) -> Result<Self> {
+        if out.exists() {
+            if !out.is_dir() {
+                return Err(path_err(out, "it exists and is not a directory"));
+            }
+            let mut entries = fs::read_dir(out).map_err(io("cannot list", out))?;
+            if entries.next().is_some() {
+                return Err(CheckpointError::OutputExists {
+                    path: out.to_path_buf(),
+                });
+            }
+        }
+        let name = out
+            .file_name()
+            .ok_or_else(|| path_err(out, "it has no final directory name"))?
+            .to_string_lossy()
+            .into_owned();
+        let parent = match out.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        fs::create_dir_all(&parent).map_err(io("cannot create", &parent))?;
+        let input_abs = fs::canonicalize(input).map_err(io("cannot resolve", input))?;
+        let parent_abs = fs::canonicalize(&parent).map_err(io("cannot resolve", &parent))?;
+        if parent_abs.join(&name).starts_with(&input_abs) {
+            return Err(path_err(out, "it is the input directory or inside it"));
+        }
+        let tmp = parent.join(format!(".{name}.qerl-tmp-{}", std::process::id()));
+        if tmp.exists() {
+            // Left by an earlier run of this process id that was killed: ours to remove.
+            fs::remove_dir_all(&tmp).map_err(io("cannot remove stale", &tmp))?;
+        }
+        fs::create_dir(&tmp).map_err(io("cannot create", &tmp))?;
+        Ok(Staging {
+            tmp,
+            out: out.to_path_buf(),
+            committed: false,
+        })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Moves the staged directory into place.
+    pub(crate) fn commit(mut self) -> Result<()> {
+        if self.out.is_dir() {
+            // An empty directory was there (checked in `new`); `remove_dir` fails if it no
+            // longer is.
+            fs::remove_dir(&self.out).map_err(io("cannot replace", &self.out))?;
+        }
+        fs::rename(&self.tmp, &self.out)
+            .map_err(io("cannot rename staging directory to", &self.out))?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = fs::remove_dir_all(&self.tmp);
+        }
+    }
+}
+
+/// Whether a file name is model weights (never copied: the output has its own).
+fn is_weight_file(name: &str) -> bool {
+    const WEIGHT_EXTENSIONS: [&str; 9] = [
+        ".safetensors",
+        ".bin",
+        ".pt",
+        ".pth",
+        ".ckpt",
+        ".gguf",
+        ".h5",
+        ".msgpack",
+        ".onnx",
+    ];
+    WEIGHT_EXTENSIONS.iter().any(|e| name.ends_with(e)) || name.ends_with(".index.json")
+}
+
+/// Copies every file of `src` into `dst` (recursively, following symlinks), except hidden
+/// entries, weight files and the top-level names in `skip`. Returns the copied relative paths.
+pub(crate) fn copy_other_files(
+    src: &Path,
+    dst: &Path,
+    skip: &HashSet<&str>,
+) -> Result<Vec<String>> {
+    let mut copied = Vec::new();
+    copy_dir(src, dst, skip, "", &mut copied)?;
+    Ok(copied)
+}
+
+fn copy_dir(
+    src: &Path,
+    dst: &Path,
+    skip: &HashSet<&str>,
+    prefix: &str,
+    copied: &mut Vec<String>,
+) -> Result<()> {
+    let mut entries: Vec<_> = fs::read_dir(src)
+        .map_err(io("cannot list", src))?
+        .collect::<std::io::Result<_>>()
+        .map_err(io("cannot list", src))?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') || (prefix.is_empty() && skip.contains(name.as_str())) {
+            continue;
+        }
+        let from = entry.path();
+        let to = dst.join(&name);
+        let meta = fs::metadata(&from).map_err(io("cannot read", &from))?;
+        let rel = format!("{prefix}{name}");
+        if meta.is_dir() {
+            fs::create_dir(&to).map_err(io("cannot create", &to))?;
+            copy_dir(&from, &to, skip, &format!("{rel}/"), copied)?;
+        } else if meta.is_file() && !is_weight_file(&name) {
+            fs::copy(&from, &to).map_err(io("cannot copy", &from))?;
+            copied.push(rel);
+        }
+    }
+    Ok(())
+}
