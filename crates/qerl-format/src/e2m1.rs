@@ -60,7 +60,7 @@ pub fn e2m1_to_f32(code: u8) -> f32 {
 /// Packs 4-bit codes two per byte, element `2j` in the low nibble. `codes.len()` must be even.
 pub fn pack_nibbles(codes: &[u8]) -> Vec<u8> {
     assert!(
-        codes.len() % 2 == 0,
+        codes.len().is_multiple_of(2),
         "pack_nibbles needs an even number of codes"
     );
     codes

@@ -1,17 +1,36 @@
 //! NF4 as bitsandbytes stores it (QLoRA's 4-bit NormalFloat).
 //!
-//! The weight is cut into blocks of 64 consecutive elements (row-major; with `cols` a multiple
-//! of 64 a block never straddles rows), each scaled by its absolute maximum into [-1, 1] and
+//! The weight is cut into blocks of 64 consecutive elements of the flattened (row-major) matrix,
+//! as bitsandbytes does, so a block may straddle rows; each scaled by its absolute maximum into [-1, 1] and
 //! rounded to the nearest of the 16 [`NF4_TABLE`] levels. `packed` is u8 `[rows * cols / 2]`
 //! with the FIRST element of each pair in the HIGH nibble (bitsandbytes' order, the opposite of
 //! NVFP4's), `absmax` f32 `[rows * cols / 64]`.
 
-use crate::{check_finite, check_len, check_matrix, Result};
+use crate::{check_finite, check_len, check_matrix, FormatError, Result};
+
+/// A 2-D shape whose element count is a multiple of the block: bitsandbytes cuts blocks from
+/// the flattened weight, so a block may straddle rows (e.g. `[64, 160]` is fine).
+fn check_flat_blocks(name: &str, values_len: usize, shape: &[usize]) -> Result<(usize, usize)> {
+    let (rows, cols) = check_matrix(name, values_len, shape, 1, "NF4")?;
+    if (rows * cols) % BLOCK != 0 || cols % 2 != 0 {
+        return Err(FormatError::Shape {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            format: "NF4",
+            why: format!(
+                "its {} elements are not a whole number of {BLOCK}-element blocks with an even row length",
+                rows * cols
+            ),
+        });
+    }
+    Ok((rows, cols))
+}
 
 /// Inputs per absmax block (bitsandbytes' default for NF4 weights).
 pub const BLOCK: usize = 64;
 
 /// The 16 NormalFloat levels (QLoRA, Dettmers et al. 2023, appendix E), index = code.
+#[allow(clippy::excessive_precision)] // bitsandbytes' constants, as published
 pub const NF4_TABLE: [f32; 16] = [
     -1.0,
     -0.696_192_800_998_687_7,
@@ -61,7 +80,7 @@ pub fn nf4_from_f32(x: f32) -> u8 {
 impl Nf4Weight {
     /// Quantizes a row-major `[rows, cols]` matrix.
     pub fn quantize(name: &str, values: &[f32], shape: &[usize]) -> Result<Self> {
-        let (rows, cols) = check_matrix(name, values.len(), shape, BLOCK, "NF4")?;
+        let (rows, cols) = check_flat_blocks(name, values.len(), shape)?;
         check_finite(name, values)?;
         let mut absmax = Vec::with_capacity(rows * cols / BLOCK);
         let mut codes = Vec::with_capacity(rows * cols);
@@ -92,7 +111,7 @@ impl Nf4Weight {
         packed: Vec<u8>,
         absmax: Vec<f32>,
     ) -> Result<Self> {
-        check_matrix(name, rows * cols, &[rows, cols], BLOCK, "NF4")?;
+        check_flat_blocks(name, rows * cols, &[rows, cols])?;
         check_len(name, "weight", [rows, cols], rows * cols / 2, packed.len())?;
         check_len(
             name,
@@ -127,7 +146,7 @@ impl Nf4Weight {
 /// Packs NF4 codes two a byte, the first of each pair in the high nibble.
 pub fn pack(codes: &[u8]) -> Vec<u8> {
     assert!(
-        codes.len() % 2 == 0,
+        codes.len().is_multiple_of(2),
         "NF4 pack needs an even number of codes"
     );
     codes

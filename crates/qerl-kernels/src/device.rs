@@ -40,9 +40,19 @@ pub struct DeviceWeight {
 }
 
 impl DeviceWeight {
-    /// Uploads a host weight.
-    pub fn upload<R: Runtime>(client: &ComputeClient<R>, weight: &QuantizedWeight) -> Self {
+    /// Uploads a host weight. The kernels read whole 16-element stages of a row, so the input
+    /// dimension must be a multiple of 16 (every NVFP4 and MXFP4 weight is; NF4 may not be).
+    pub fn upload<R: Runtime>(
+        client: &ComputeClient<R>,
+        weight: &QuantizedWeight,
+    ) -> Result<Self, KernelError> {
         let [n, k] = weight.shape();
+        if !k.is_multiple_of(16) {
+            return Err(shape_err(
+                "upload",
+                format!("a [{n}, {k}] weight: the input dimension must be a multiple of 16"),
+            ));
+        }
         let codes = pack_words(&weight.codes());
         let (scale_bytes, scale_table, code_table): (Vec<u32>, Vec<f32>, Vec<f32>) = match weight {
             QuantizedWeight::Nvfp4(w) => {
@@ -55,7 +65,7 @@ impl DeviceWeight {
             }
             QuantizedWeight::Nf4(w) => (vec![0], w.absmax.clone(), nf4::NF4_TABLE.to_vec()),
         };
-        DeviceWeight {
+        Ok(DeviceWeight {
             format: weight.format(),
             n,
             k,
@@ -63,7 +73,7 @@ impl DeviceWeight {
             scale_bytes: client.create_from_slice(u32::as_bytes(&scale_bytes)),
             scale_table: client.create_from_slice(f32::as_bytes(&scale_table)),
             code_table: client.create_from_slice(f32::as_bytes(&code_table)),
-        }
+        })
     }
 
     pub fn block(&self) -> usize {

@@ -90,7 +90,8 @@ fn shapes(format: QuantFormat) -> Vec<(usize, usize)> {
     match format {
         QuantFormat::Nvfp4 => vec![(48, 80), (112, 208)],
         QuantFormat::Mxfp4 => vec![(80, 96), (48, 160)],
-        QuantFormat::Nf4 => vec![(48, 192), (80, 64)],
+        // NF4 blocks run over the flattened weight: with K = 160 they straddle rows.
+        QuantFormat::Nf4 => vec![(48, 192), (48, 160)],
     }
 }
 
@@ -113,7 +114,7 @@ pub fn dequantize<R: Runtime, F: Float + CubeElement>(device: &R::Device) {
     for format in QuantFormat::ALL {
         for (n, k) in shapes(format) {
             let w = random_weight(&mut rng, format, n, k);
-            let dw = DeviceWeight::upload(&c, &w);
+            let dw = DeviceWeight::upload(&c, &w).unwrap();
             let out = poisoned::<R, F>(&c, n * k);
             dequant::dequantize::<R, F>(&c, &dw, &out).unwrap();
             let got = read::<R, F>(&c, &out);
@@ -176,7 +177,7 @@ pub fn matmul<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) 
     for format in QuantFormat::ALL {
         for (n, k) in shapes(format) {
             let w = random_weight(&mut rng, format, n, k);
-            let dw = DeviceWeight::upload(&c, &w);
+            let dw = DeviceWeight::upload(&c, &w).unwrap();
             let deq = w.dequantize();
             for m in MS {
                 let x = normal(&mut rng, m * k, 1.0);
@@ -214,7 +215,7 @@ pub fn matmul_lora<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: 
     for format in QuantFormat::ALL {
         let (n, k) = shapes(format)[0];
         let w = random_weight(&mut rng, format, n, k);
-        let dw = DeviceWeight::upload(&c, &w);
+        let dw = DeviceWeight::upload(&c, &w).unwrap();
         let deq = w.dequantize();
         for (m, rank) in [(1, 8), (17, 16), (64, 32)] {
             let x = normal(&mut rng, m * k, 1.0);
@@ -269,7 +270,7 @@ pub fn matmul_transposed<R: Runtime, F: Float + CubeElement>(device: &R::Device,
     for format in QuantFormat::ALL {
         for (n, k) in shapes(format) {
             let w = random_weight(&mut rng, format, n, k);
-            let dw = DeviceWeight::upload(&c, &w);
+            let dw = DeviceWeight::upload(&c, &w).unwrap();
             let deq = w.dequantize();
             for m in MS {
                 let dy = normal(&mut rng, m * n, 1.0);
@@ -517,4 +518,21 @@ fn rms_norm_reference_matches_finite_differences() {
             dgain[c]
         );
     }
+}
+
+/// A weight whose input dimension the tiled kernels cannot step through is refused on upload.
+#[cfg(feature = "wgpu")]
+#[test]
+fn upload_refuses_input_dims_not_a_multiple_of_16() {
+    let w = QuantizedWeight::quantize(
+        QuantFormat::Nf4,
+        "w",
+        &normal(&mut fresh_rng().0, 64 * 8, 1.0),
+        &[64, 8],
+        SourceDtype::F32,
+    )
+    .unwrap();
+    let c = cubecl::wgpu::WgpuRuntime::client(&Default::default());
+    let e = DeviceWeight::upload(&c, &w).unwrap_err().to_string();
+    assert!(e.contains("[64, 8]") && e.contains("multiple of 16"), "{e}");
 }

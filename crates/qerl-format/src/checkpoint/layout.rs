@@ -79,28 +79,12 @@ pub fn quantize_linear(
     dtype: SourceDtype,
     global: Option<f32>,
 ) -> Result<QuantizedWeight, FormatError> {
-    let [rows, cols] = shape;
     Ok(match format {
         QuantFormat::Nvfp4 => {
             QuantizedWeight::Nvfp4(Nvfp4Weight::quantize(name, values, &shape, dtype, global)?)
         }
         QuantFormat::Mxfp4 => QuantizedWeight::Mxfp4(Mxfp4Weight::quantize(name, values, &shape)?),
-        QuantFormat::Nf4 => {
-            let n = rows * cols;
-            if n % nf4::BLOCK != 0 || rows == 0 {
-                return Err(FormatError::Shape {
-                    name: name.to_string(),
-                    shape: shape.to_vec(),
-                    format: "NF4",
-                    why: format!("its {n} elements are not a multiple of the block size 64"),
-                });
-            }
-            // Same bytes as quantizing [rows, cols]: blocks are consecutive 64-element runs.
-            let mut w = Nf4Weight::quantize(name, values, &[n / nf4::BLOCK, nf4::BLOCK])?;
-            w.rows = rows;
-            w.cols = cols;
-            QuantizedWeight::Nf4(w)
-        }
+        QuantFormat::Nf4 => QuantizedWeight::Nf4(Nf4Weight::quantize(name, values, &shape)?),
     })
 }
 

@@ -197,12 +197,9 @@ impl QuantizedCheckpoint {
                 "quant_map is not the NF4 table".into(),
             ));
         }
-        Ok(QuantizedWeight::Nf4(Nf4Weight {
-            rows,
-            cols,
-            packed: packed.data.to_vec(),
-            absmax: f32s(absmax.data),
-        }))
+        let w = Nf4Weight::from_parts(module, rows, cols, packed.data.to_vec(), f32s(absmax.data))
+            .map_err(|e| self.bad(module, "weight", e.to_string()))?;
+        Ok(QuantizedWeight::Nf4(w))
     }
 }
 
