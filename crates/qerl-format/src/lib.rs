@@ -155,6 +155,49 @@ impl QuantizedWeight {
         }
     }
 
+    /// Row `r` of the dense matrix, written into `out` (`cols` values): the same values as
+    /// [`dequantize`](Self::dequantize) without materialising the whole matrix.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let [rows, cols] = self.shape();
+        assert!(
+            r < rows && out.len() == cols,
+            "row {r} of a [{rows}, {cols}] weight"
+        );
+        let first = r * cols;
+        // Code of flat element e: NVFP4/MXFP4 keep element 2j in the low nibble, NF4 in the high.
+        let code = |packed: &[u8], e: usize, low_first: bool| -> u8 {
+            let byte = packed[e / 2];
+            if (e % 2 == 0) == low_first {
+                byte & 0x0f
+            } else {
+                byte >> 4
+            }
+        };
+        match self {
+            QuantizedWeight::Nvfp4(w) => {
+                for (c, o) in out.iter_mut().enumerate() {
+                    let e = first + c;
+                    let scale = fp8::e4m3_to_f32(w.scales[e / nvfp4::BLOCK]) / w.global_scale;
+                    *o = e2m1::e2m1_to_f32(code(&w.packed, e, true)) * scale;
+                }
+            }
+            QuantizedWeight::Mxfp4(w) => {
+                for (c, o) in out.iter_mut().enumerate() {
+                    let e = first + c;
+                    let scale = fp8::e8m0_to_f32(w.scales[e / mxfp4::BLOCK]);
+                    *o = e2m1::e2m1_to_f32(code(&w.packed, e, true)) * scale;
+                }
+            }
+            QuantizedWeight::Nf4(w) => {
+                for (c, o) in out.iter_mut().enumerate() {
+                    let e = first + c;
+                    *o = nf4::NF4_TABLE[code(&w.packed, e, false) as usize]
+                        * w.absmax[e / nf4::BLOCK];
+                }
+            }
+        }
+    }
+
     /// 4-bit codes in element order (row-major), one per byte.
     pub fn codes(&self) -> Vec<u8> {
         match self {

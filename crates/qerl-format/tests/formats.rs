@@ -168,3 +168,34 @@ fn nonfinite_values_are_rejected_by_name() {
         "{msg}"
     );
 }
+
+#[test]
+fn dequantize_row_matches_the_whole_matrix() {
+    // NF4 with 160 columns: blocks straddle rows.
+    let (rows, cols) = (6, 160);
+    let (w, seed) = random_matrix(rows, cols);
+    for format in QuantFormat::ALL {
+        let cols = if format == QuantFormat::Mxfp4 {
+            128
+        } else {
+            cols
+        };
+        let q = QuantizedWeight::quantize(
+            format,
+            "w",
+            &w[..rows * cols],
+            &[rows, cols],
+            SourceDtype::F32,
+        )
+        .unwrap();
+        let all = q.dequantize();
+        let mut row = vec![f32::NAN; cols];
+        for r in 0..rows {
+            q.dequantize_row(r, &mut row);
+            assert!(
+                row == all[r * cols..(r + 1) * cols],
+                "{format} row {r}, seed {seed}"
+            );
+        }
+    }
+}

@@ -1,0 +1,42 @@
+//! Qwen2 and Llama decoders for QeRL, on the `qerl-nn` modules.
+//!
+//! * [`ModelConfig`]: `config.json` (transformers 4 and 5 layouts), errors naming file and key.
+//! * [`load`] / [`load_with_adapter`]: a [`CausalLm`] from a Hugging Face directory, dense
+//!   (BF16/F16/F32, single or sharded safetensors) or quantized as `qerl quantize` writes it
+//!   (compressed-tensors NVFP4), with the decoder linears as `Nvfp4Linear` in the chosen
+//!   [`Precision`] and optional LoRA ([`LoraSpec`] or a PEFT [`Adapter`]). Embeddings and
+//!   lm_head stay dense.
+//! * [`CausalLm::forward`]: logits `[batch, seq, vocab]` of a padded [`TokenBatch`] (the
+//!   training pass, generic over the backend so it runs under `Autodiff<B>`);
+//!   [`CausalLm::prefill`] / [`CausalLm::decode`]: the KV-cached incremental path.
+//! * [`generate`]: batched generation with on-device sampling ([`sampling`]), per-sequence EOS
+//!   and stop strings, seeds, returned token ids and log-probs; [`score`]: per-position top-k.
+//! * [`Tokenizer`] and the ChatML [`ChatTemplate`].
+//!
+//! Shapes in the docs are `[batch, seq, ...]`; token ids are `u32` on the host.
+
+mod adapter;
+mod attention;
+pub mod batch;
+pub mod config;
+mod error;
+pub mod generate;
+mod load;
+mod model;
+pub mod rope;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use adapter::{Adapter, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+pub use attention::Attention;
+pub use batch::{Padding, TokenBatch};
+pub use config::{Architecture, GenerationDefaults, ModelConfig, RopeScaling};
+pub use error::{ModelError, Result};
+pub use generate::{
+    generate, score, Completion, Decode, FinishReason, GenerationConfig, PositionScore,
+};
+pub use load::{load, load_with_adapter, LoadOptions, LoraSpec};
+pub use model::{CausalLm, DecoderLayer, KvCache, Mlp};
+pub use qerl_nn::{LoraConfig, Precision, QerlBackend};
+pub use sampling::SamplingParams;
+pub use tokenizer::{ChatTemplate, Message, Tokenizer};

@@ -1,0 +1,66 @@
+//! The backend extension the modules run on.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use qerl_format::QuantizedWeight;
+
+use crate::NnError;
+
+/// The LoRA branch of a linear, as backend primitives: `A [r, K]`, `B [N, r]`, `scale = α / r`.
+pub struct LoraPrims<B: Backend> {
+    pub a: FloatTensor<B>,
+    pub b: FloatTensor<B>,
+    pub scale: f32,
+}
+
+/// A frozen 4-bit weight held by a backend, `[n, k]` = `[out_features, in_features]`.
+pub trait QuantWeight: Clone + std::fmt::Debug + Send + Sync + 'static {
+    fn dims(&self) -> [usize; 2];
+}
+
+/// Kernels the qerl modules need from a backend. Shapes are 2-D: callers flatten leading dims.
+pub trait QerlBackend: Backend {
+    /// The weight as this backend stores it (device buffers, or the host form on the CPU).
+    type QWeight: QuantWeight;
+
+    /// Puts a host-quantized weight on `device`.
+    fn qweight_upload(
+        name: &str,
+        weight: &QuantizedWeight,
+        device: &Self::Device,
+    ) -> Result<Self::QWeight, NnError>;
+
+    /// The dense `[n, k]` matrix (for merging LoRA into an export copy, and for tests; the
+    /// forward and backward passes never call it).
+    fn qweight_dequantize(weight: &Self::QWeight, device: &Self::Device) -> FloatTensor<Self>;
+
+    /// `y[M, N] = x[M, K] · deq(W)ᵀ (+ bias[N]) (+ s · (x · Aᵀ) · Bᵀ)`.
+    fn qlinear(
+        x: FloatTensor<Self>,
+        weight: &Self::QWeight,
+        bias: Option<FloatTensor<Self>>,
+        lora: Option<LoraPrims<Self>>,
+    ) -> FloatTensor<Self>;
+
+    /// `dx[M, K] = dy[M, N] · deq(W)`.
+    fn qlinear_dx(dy: FloatTensor<Self>, weight: &Self::QWeight) -> FloatTensor<Self>;
+
+    /// Noisy RMSNorm of `x [M, D]` with weight `w [D]` and optional noise `z [D]`:
+    /// returns `y [M, D]` and `rstd [M]` (f32), `1 / sqrt(mean(x²) + eps)` per row.
+    fn noisy_rms_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        z: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Backward of [`noisy_rms_norm`](Self::noisy_rms_norm): `(dx [M, D], dw [D])`; `dw` is also
+    /// the gradient of the noise.
+    fn noisy_rms_norm_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        z: Option<FloatTensor<Self>>,
+        rstd: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+}

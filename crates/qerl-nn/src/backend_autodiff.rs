@@ -1,0 +1,235 @@
+//! [`QerlBackend`] for `Autodiff<B>`: custom backward passes.
+//!
+//! * `qlinear`: parents `x` and, with LoRA, `A` and `B`. The frozen weight (and bias) is state,
+//!   never a parent, so it gets no gradient. With `G = dY`, `T = x·Aᵀ`, `s` the LoRA scale:
+//!   `dx = G·deq(W) + s·(G·B)·A` (the first term through the transposed 4-bit kernel),
+//!   `dA = s·(G·B)ᵀ·x`, `dB = s·Gᵀ·T`.
+//! * `noisy_rms_norm`: parents `x` and `w`; the noise is a constant.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+use qerl_format::QuantizedWeight;
+
+use crate::backend::{LoraPrims, QerlBackend};
+use crate::NnError;
+
+type Inner<B> = FloatTensor<B>;
+
+fn t2<B: QerlBackend>(p: Inner<B>) -> Tensor<B, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+fn prim<B: QerlBackend>(t: Tensor<B, 2>) -> Inner<B> {
+    t.into_primitive().tensor()
+}
+
+#[derive(Debug)]
+struct QLinearBackward;
+
+impl<B: QerlBackend> Backward<B, 1> for QLinearBackward {
+    type State = B::QWeight;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        if let [Some(x)] = ops.parents {
+            grads.register::<B>(x.id, B::qlinear_dx(grad, &ops.state));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct QLinearLoraBackward;
+
+/// What the LoRA backward needs: the weight, `x`, `A`, `B`, the scale.
+#[derive(Clone, Debug)]
+struct LoraState<B: QerlBackend> {
+    weight: B::QWeight,
+    x: Inner<B>,
+    a: Inner<B>,
+    b: Inner<B>,
+    scale: f32,
+}
+
+impl<B: QerlBackend> Backward<B, 3> for QLinearLoraBackward {
+    type State = LoraState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let g = grads.consume::<B>(&ops.node);
+        let LoraState {
+            weight,
+            x,
+            a,
+            b,
+            scale,
+        } = ops.state;
+        let [px, pa, pb] = ops.parents;
+        let (x, a, b, gt) = (t2::<B>(x), t2::<B>(a), t2::<B>(b), t2::<B>(g.clone()));
+        // G·B [M, r], shared by dx and dA.
+        let gb = gt.clone().matmul(b).mul_scalar(scale);
+        if let Some(node) = px {
+            let dx = t2::<B>(B::qlinear_dx(g, &weight)) + gb.clone().matmul(a.clone());
+            grads.register::<B>(node.id, prim(dx));
+        }
+        if let Some(node) = pa {
+            grads.register::<B>(node.id, prim(gb.transpose().matmul(x.clone())));
+        }
+        if let Some(node) = pb {
+            let t = x.matmul(a.transpose());
+            grads.register::<B>(node.id, prim(gt.transpose().matmul(t).mul_scalar(scale)));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct NormBackward;
+
+#[derive(Clone, Debug)]
+struct NormState<B: QerlBackend> {
+    x: Inner<B>,
+    w: Inner<B>,
+    z: Option<Inner<B>>,
+    rstd: Inner<B>,
+}
+
+impl<B: QerlBackend> Backward<B, 2> for NormBackward {
+    type State = NormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let NormState { x, w, z, rstd } = ops.state;
+        let (dx, dw) = B::noisy_rms_norm_backward(dy, x, w, z, rstd);
+        let [px, pw] = ops.parents;
+        if let Some(node) = px {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = pw {
+            grads.register::<B>(node.id, dw);
+        }
+    }
+}
+
+type Ad<B, C> = Autodiff<B, C>;
+
+impl<B: QerlBackend, C: CheckpointStrategy> QerlBackend for Ad<B, C> {
+    type QWeight = B::QWeight;
+
+    fn qweight_upload(
+        name: &str,
+        weight: &QuantizedWeight,
+        device: &Self::Device,
+    ) -> Result<B::QWeight, NnError> {
+        B::qweight_upload(name, weight, device)
+    }
+
+    fn qweight_dequantize(weight: &B::QWeight, device: &Self::Device) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::qweight_dequantize(weight, device))
+    }
+
+    fn qlinear(
+        x: FloatTensor<Self>,
+        weight: &B::QWeight,
+        bias: Option<FloatTensor<Self>>,
+        lora: Option<LoraPrims<Self>>,
+    ) -> FloatTensor<Self> {
+        let bias = bias.map(|b| b.primitive);
+        match lora {
+            None => match QLinearBackward
+                .prepare::<C>([x.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => {
+                    let y = B::qlinear(x.primitive, weight, bias, None);
+                    prep.finish(weight.clone(), y)
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(B::qlinear(x.primitive, weight, bias, None))
+                }
+            },
+            Some(l) => {
+                let scale = l.scale;
+                let run = |x: Inner<B>, a: Inner<B>, b: Inner<B>| {
+                    B::qlinear(x, weight, bias.clone(), Some(LoraPrims { a, b, scale }))
+                };
+                match QLinearLoraBackward
+                    .prepare::<C>([x.node.clone(), l.a.node.clone(), l.b.node.clone()])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => {
+                        let state = LoraState::<B> {
+                            weight: weight.clone(),
+                            x: x.primitive.clone(),
+                            a: l.a.primitive.clone(),
+                            b: l.b.primitive.clone(),
+                            scale: l.scale,
+                        };
+                        prep.finish(state, run(x.primitive, l.a.primitive, l.b.primitive))
+                    }
+                    OpsKind::UnTracked(prep) => {
+                        prep.finish(run(x.primitive, l.a.primitive, l.b.primitive))
+                    }
+                }
+            }
+        }
+    }
+
+    fn qlinear_dx(dy: FloatTensor<Self>, weight: &B::QWeight) -> FloatTensor<Self> {
+        // Only reached when differentiating twice; the product itself is not tracked.
+        <Self as AutodiffBackend>::from_inner(B::qlinear_dx(dy.primitive, weight))
+    }
+
+    fn noisy_rms_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        z: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let z = z.map(|z| z.primitive);
+        let prep = NormBackward
+            .prepare::<C>([x.node.clone(), w.node.clone()])
+            .compute_bound()
+            .stateful();
+        let (y, rstd) = B::noisy_rms_norm(x.primitive.clone(), w.primitive.clone(), z.clone(), eps);
+        let rstd_out = <Self as AutodiffBackend>::from_inner(rstd.clone());
+        let y = match prep {
+            OpsKind::Tracked(prep) => {
+                let state = NormState::<B> {
+                    x: x.primitive,
+                    w: w.primitive,
+                    z,
+                    rstd,
+                };
+                prep.finish(state, y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        (y, rstd_out)
+    }
+
+    fn noisy_rms_norm_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        z: Option<FloatTensor<Self>>,
+        rstd: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw) = B::noisy_rms_norm_backward(
+            dy.primitive,
+            x.primitive,
+            w.primitive,
+            z.map(|z| z.primitive),
+            rstd.primitive,
+        );
+        (
+            <Self as AutodiffBackend>::from_inner(dx),
+            <Self as AutodiffBackend>::from_inner(dw),
+        )
+    }
+}

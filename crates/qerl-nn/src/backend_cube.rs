@@ -1,0 +1,221 @@
+//! [`QerlBackend`] for CubeCL backends (wgpu, CUDA): the `qerl-kernels` kernels on burn tensors.
+
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use qerl_format::QuantizedWeight;
+use qerl_kernels::{dequant, gemm, rms_norm, DeviceWeight};
+
+use crate::backend::{LoraPrims, QerlBackend, QuantWeight};
+use crate::NnError;
+
+impl QuantWeight for DeviceWeight {
+    fn dims(&self) -> [usize; 2] {
+        [self.n, self.k]
+    }
+}
+
+/// Runs `$body` with `$F` bound to the element type of `$dtype` (f32, f16 or bf16).
+macro_rules! with_float {
+    ($dtype:expr, $F:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $F = f32;
+                $body
+            }
+            DType::F16 => {
+                type $F = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $F = half::bf16;
+                $body
+            }
+            other => panic!("qerl kernels run on f32, f16 or bf16 tensors, not {other:?}"),
+        }
+    };
+}
+
+/// A contiguous 2-D tensor and its dims.
+fn matrix<R: CubeRuntime>(t: CubeTensor<R>, what: &str) -> (CubeTensor<R>, usize, usize) {
+    let t = into_contiguous(t);
+    let shape = t.shape();
+    assert_eq!(
+        shape.num_dims(),
+        2,
+        "{what}: expected a matrix, got {shape:?}"
+    );
+    let [a, b] = shape.dims::<2>();
+    (t, a, b)
+}
+
+fn vector<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
+    into_contiguous(t)
+}
+
+/// A new uninitialised contiguous tensor like `like` (same client, device).
+fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    let bytes = shape.num_elements() * dtype.size();
+    let handle = like.client.empty(bytes);
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        shape,
+        handle,
+        dtype,
+    )
+}
+
+impl<R, F, I, BT> QerlBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    type QWeight = DeviceWeight;
+
+    fn qweight_upload(
+        name: &str,
+        weight: &QuantizedWeight,
+        device: &Self::Device,
+    ) -> Result<DeviceWeight, NnError> {
+        let client = R::client(device);
+        DeviceWeight::upload(&client, weight).map_err(|source| NnError::Kernel {
+            name: name.to_string(),
+            source,
+        })
+    }
+
+    fn qweight_dequantize(weight: &DeviceWeight, device: &Self::Device) -> CubeTensor<R> {
+        let client = R::client(device);
+        let dtype = F::dtype();
+        let shape = Shape::new([weight.n, weight.k]);
+        let handle = client.empty(shape.num_elements() * dtype.size());
+        let out = CubeTensor::new_contiguous(client, device.clone(), shape, handle, dtype);
+        with_float!(dtype, E => {
+            dequant::dequantize::<R, E>(&out.client, weight, &out.handle)
+                .expect("dequantize shapes");
+        });
+        out
+    }
+
+    fn qlinear(
+        x: CubeTensor<R>,
+        weight: &DeviceWeight,
+        bias: Option<CubeTensor<R>>,
+        lora: Option<LoraPrims<Self>>,
+    ) -> CubeTensor<R> {
+        let (x, m, k) = matrix(x, "qlinear x");
+        assert_eq!(
+            k, weight.k,
+            "qlinear: x has {k} columns, weight is [{}, {}]",
+            weight.n, weight.k
+        );
+        let dtype = x.dtype;
+        let y = empty(&x, Shape::new([m, weight.n]), dtype);
+        let bias = bias.map(vector);
+        let lora = lora.map(|l| {
+            let (a, r, _) = matrix(l.a, "LoRA A");
+            let (b, _, _) = matrix(l.b, "LoRA B");
+            let t = empty(&x, Shape::new([m, r]), DType::F32);
+            (a, b, t, r, l.scale)
+        });
+        with_float!(dtype, E => {
+            if let Some((a, _, t, r, _)) = &lora {
+                gemm::lora_down::<R, E>(&x.client, &x.handle, &a.handle, &t.handle, m, k, *r)
+                    .expect("LoRA shapes");
+            }
+            let epilogue = lora.as_ref().map(|(_, b, t, r, s)| gemm::LoraEpilogue {
+                t: &t.handle,
+                b: &b.handle,
+                rank: *r,
+                scale: *s,
+            });
+            gemm::matmul::<R, E>(
+                &x.client,
+                &x.handle,
+                m,
+                weight,
+                bias.as_ref().map(|b| &b.handle),
+                epilogue,
+                &y.handle,
+            )
+            .expect("qlinear shapes");
+        });
+        y
+    }
+
+    fn qlinear_dx(dy: CubeTensor<R>, weight: &DeviceWeight) -> CubeTensor<R> {
+        let (dy, m, n) = matrix(dy, "qlinear_dx dy");
+        assert_eq!(
+            n, weight.n,
+            "qlinear_dx: dy has {n} columns, weight is [{}, {}]",
+            weight.n, weight.k
+        );
+        let dx = empty(&dy, Shape::new([m, weight.k]), dy.dtype);
+        with_float!(dy.dtype, E => {
+            gemm::matmul_transposed::<R, E>(&dy.client, &dy.handle, m, weight, &dx.handle)
+                .expect("qlinear_dx shapes");
+        });
+        dx
+    }
+
+    fn noisy_rms_norm(
+        x: CubeTensor<R>,
+        w: CubeTensor<R>,
+        z: Option<CubeTensor<R>>,
+        eps: f64,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let (x, rows, dim) = matrix(x, "rms_norm x");
+        let (w, z) = (vector(w), z.map(vector));
+        let y = empty(&x, Shape::new([rows, dim]), x.dtype);
+        let rstd = empty(&x, Shape::new([rows]), DType::F32);
+        with_float!(x.dtype, E => {
+            rms_norm::forward::<R, E>(
+                &x.client,
+                &x.handle,
+                &w.handle,
+                z.as_ref().map(|z| &z.handle),
+                rows,
+                dim,
+                eps as f32,
+                &y.handle,
+                &rstd.handle,
+            )
+            .expect("rms_norm shapes");
+        });
+        (y, rstd)
+    }
+
+    fn noisy_rms_norm_backward(
+        dy: CubeTensor<R>,
+        x: CubeTensor<R>,
+        w: CubeTensor<R>,
+        z: Option<CubeTensor<R>>,
+        rstd: CubeTensor<R>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let (dy, rows, dim) = matrix(dy, "rms_norm dy");
+        let (x, _, _) = matrix(x, "rms_norm x");
+        let (w, z, rstd) = (vector(w), z.map(vector), vector(rstd));
+        let dx = empty(&x, Shape::new([rows, dim]), x.dtype);
+        let dw = empty(&x, Shape::new([dim]), x.dtype);
+        with_float!(x.dtype, E => {
+            rms_norm::backward::<R, E>(
+                &x.client,
+                &dy.handle,
+                &x.handle,
+                &w.handle,
+                z.as_ref().map(|z| &z.handle),
+                &rstd.handle,
+                rows,
+                dim,
+                &dx.handle,
+                &dw.handle,
+            )
+            .expect("rms_norm shapes");
+        });
+        (dx, dw)
+    }
+}

@@ -1,0 +1,110 @@
+//! Burn modules for QeRL: what a Burn user imports to put frozen 4-bit weights, LoRA and
+//! adaptive quantization noise into a model.
+//!
+//! * [`Nvfp4Linear`]: a linear layer whose frozen weight is stored in NVFP4 (or MXFP4, NF4, or
+//!   kept dense for the BF16 baseline, chosen by [`Precision`]), with an optional LoRA adapter.
+//!   Under autodiff its backward returns `dX` through the transposed 4-bit kernel and the LoRA
+//!   gradients; the weight never gets a gradient and is never expanded to a dense copy.
+//! * [`NoisyRmsNorm`]: RMSNorm whose weight may be trained, plus a per-channel noise vector the
+//!   caller sets for the next forwards (AQN).
+//!
+//! Both run on any backend implementing [`QerlBackend`]: CubeCL backends (wgpu, CUDA) use the
+//! kernels of `qerl-kernels`; the NdArray CPU backend uses a host reference path; `Autodiff<B>`
+//! adds the custom backward passes.
+
+mod backend;
+mod backend_autodiff;
+mod backend_cpu;
+mod backend_cube;
+mod linear;
+mod norm;
+
+pub use backend::{LoraPrims, QerlBackend, QuantWeight};
+pub use linear::{Lora, LoraConfig, Nvfp4Linear};
+pub use norm::NoisyRmsNorm;
+
+use thiserror::Error;
+
+/// Backends qerl is tested on.
+pub mod backends {
+    /// CPU reference backend.
+    pub type Cpu = burn::backend::NdArray<f32>;
+    /// wgpu (Vulkan, Metal, DX12; lavapipe on a CPU) with the qerl kernels, f32 activations.
+    #[cfg(feature = "wgpu")]
+    pub type Wgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+    /// CUDA with the qerl kernels, bf16 activations.
+    #[cfg(feature = "cuda")]
+    pub type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
+}
+
+/// How a linear layer stores its frozen weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Precision {
+    /// Dense, in the backend's float type (bf16 on CUDA): the LoRA baseline.
+    Bf16,
+    /// NVFP4 (E2M1 + FP8 scale per 16 + FP32 tensor scale): QeRL.
+    #[default]
+    Nvfp4,
+    /// MXFP4 (E2M1 + E8M0 scale per 32).
+    Mxfp4,
+    /// NF4 (bitsandbytes, absmax per 64): QLoRA.
+    Nf4,
+}
+
+impl Precision {
+    /// The 4-bit format, or `None` for the dense baseline.
+    pub fn format(self) -> Option<qerl_format::QuantFormat> {
+        use qerl_format::QuantFormat;
+        match self {
+            Precision::Bf16 => None,
+            Precision::Nvfp4 => Some(QuantFormat::Nvfp4),
+            Precision::Mxfp4 => Some(QuantFormat::Mxfp4),
+            Precision::Nf4 => Some(QuantFormat::Nf4),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Bf16 => "bf16",
+            Precision::Nvfp4 => "nvfp4",
+            Precision::Mxfp4 => "mxfp4",
+            Precision::Nf4 => "nf4",
+        })
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = NnError;
+    fn from_str(s: &str) -> Result<Self, NnError> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(Precision::Bf16),
+            "nvfp4" => Ok(Precision::Nvfp4),
+            "mxfp4" => Ok(Precision::Mxfp4),
+            "nf4" => Ok(Precision::Nf4),
+            other => Err(NnError::Config(format!(
+                "unknown precision `{other}` (expected bf16, nvfp4, mxfp4 or nf4)"
+            ))),
+        }
+    }
+}
+
+/// Errors building or running a module.
+#[derive(Debug, Error)]
+pub enum NnError {
+    /// A weight that cannot be quantized (shape, NaN).
+    #[error(transparent)]
+    Format(#[from] qerl_format::FormatError),
+    /// A weight the kernels cannot run (e.g. input dimension not a multiple of 16).
+    #[error("`{name}`: {source}")]
+    Kernel {
+        name: String,
+        source: qerl_kernels::KernelError,
+    },
+    /// Buffers that do not match the declared shapes.
+    #[error("`{name}`: {what}")]
+    Shape { name: String, what: String },
+    #[error("{0}")]
+    Config(String),
+}

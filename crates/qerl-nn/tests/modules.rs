@@ -1,0 +1,249 @@
+//! Module forwards and gradients against dense references built from ordinary Burn ops, on the
+//! CPU reference backend (NdArray) and on the CubeCL kernels through wgpu (lavapipe in CI).
+//!
+//! Bounds (relative Frobenius error): the CPU path computes in f32 like the reference, 1e-5;
+//! wgpu f32 kernels accumulate in another order, 1e-4.
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+use qerl_format::{QuantizedWeight, SourceDtype};
+use qerl_nn::{LoraConfig, NoisyRmsNorm, Nvfp4Linear, Precision, QerlBackend};
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution as _, Normal};
+
+fn seed() -> u64 {
+    rand::rng().random()
+}
+
+fn normal(seed: u64, len: usize, std: f32) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let d = Normal::new(0.0f32, std).unwrap();
+    (0..len).map(|_| d.sample(&mut rng)).collect()
+}
+
+fn tensor<B: burn::tensor::backend::Backend, const D: usize>(
+    v: Vec<f32>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(v, shape), device)
+}
+
+fn rel_err<B: burn::tensor::backend::Backend, const D: usize>(
+    got: Tensor<B, D>,
+    want: Tensor<B, D>,
+) -> f64 {
+    let g = got.into_data().to_vec::<f32>().unwrap();
+    let w = want.into_data().to_vec::<f32>().unwrap();
+    assert!(g.iter().all(|v| v.is_finite()), "non-finite output");
+    let num: f64 = g
+        .iter()
+        .zip(&w)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = w.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+/// Linear with LoRA: forward and the gradients of x, A, B against `x·Wᵀ + b + s·x·Aᵀ·Bᵀ` with the
+/// dequantized W as a constant.
+fn linear_grads<B>(device: &B::Device, tol: f64)
+where
+    B: AutodiffBackend + QerlBackend,
+    B::InnerBackend: QerlBackend,
+{
+    let s = seed();
+    let (m, k, n, r) = (2 * 3, 80, 48, 8); // x is [2, 3, k]: leading dims are flattened
+    for precision in [
+        Precision::Nvfp4,
+        Precision::Mxfp4,
+        Precision::Nf4,
+        Precision::Bf16,
+    ] {
+        let k = if precision == Precision::Nf4 || precision == Precision::Mxfp4 {
+            96
+        } else {
+            k
+        };
+        let w = normal(s, n * k, 0.05);
+        let bias = normal(s + 1, n, 0.3);
+        let lora = LoraConfig {
+            rank: r,
+            alpha: 16.0,
+        };
+        let mut layer = Nvfp4Linear::<B>::from_dense(
+            "test.q_proj",
+            &w,
+            SourceDtype::F32,
+            n,
+            k,
+            Some(&bias),
+            precision,
+            Some(lora),
+            device,
+        )
+        .unwrap();
+        // A non-zero B, so that dA is not trivially zero.
+        let a = tensor::<B, 2>(normal(s + 2, r * k, 0.1), [r, k], device);
+        let b = tensor::<B, 2>(normal(s + 3, n * r, 0.1), [n, r], device);
+        layer.set_lora_weights(a.clone(), b.clone());
+        let deq = match precision.format() {
+            Some(f) => QuantizedWeight::quantize(f, "w", &w, &[n, k], SourceDtype::F32)
+                .unwrap()
+                .dequantize(),
+            None => w.clone(),
+        };
+        let x_data = normal(s + 4, m * k, 1.0);
+        let probe = tensor::<B, 3>(normal(s + 5, m * n, 1.0), [2, 3, n], device);
+
+        let x = tensor::<B, 3>(x_data.clone(), [2, 3, k], device).require_grad();
+        let y = layer.forward(x.clone());
+        let grads = (y.clone() * probe.clone()).sum().backward();
+        let (gx, ga, gb) = (
+            x.grad(&grads).unwrap(),
+            layer.lora().unwrap().a.grad(&grads).unwrap(),
+            layer.lora().unwrap().b.grad(&grads).unwrap(),
+        );
+        if let Some(dense) = &layer.dense {
+            assert!(
+                dense.grad(&grads).is_none(),
+                "the frozen weight got a gradient"
+            );
+        }
+
+        let xr = tensor::<B, 3>(x_data, [2, 3, k], device).require_grad();
+        let (ar, br) = (a.require_grad(), b.require_grad());
+        let wr = tensor::<B, 2>(deq, [n, k], device);
+        let yr = xr.clone().matmul(wr.clone().transpose().unsqueeze())
+            + tensor::<B, 1>(bias.clone(), [n], device).unsqueeze()
+            + xr.clone()
+                .matmul(ar.clone().transpose().unsqueeze())
+                .matmul(br.clone().transpose().unsqueeze())
+                .mul_scalar(lora.scale());
+        let gr = (yr.clone() * probe).sum().backward();
+        let what = format!("{precision} seed {s}");
+        for (name, e) in [
+            ("y", rel_err(y.inner(), yr.inner())),
+            ("dx", rel_err(gx, xr.grad(&gr).unwrap())),
+            ("dA", rel_err(ga, ar.grad(&gr).unwrap())),
+            ("dB", rel_err(gb, br.grad(&gr).unwrap())),
+        ] {
+            assert!(
+                e <= tol,
+                "{what}: {name} relative error {e:.2e} > {tol:.0e}"
+            );
+        }
+
+        // LoRA disabled is the base layer; the merged weight reproduces the full layer.
+        let x = tensor::<B, 2>(normal(s + 6, 4 * k, 1.0), [4, k], device);
+        let b_row = tensor::<B, 1>(bias, [n], device).unsqueeze::<2>();
+        let base = layer.forward_without_lora(x.clone());
+        let base_ref = x.clone().matmul(wr.transpose()) + b_row.clone();
+        let e = rel_err(base.inner(), base_ref.inner());
+        assert!(e <= tol, "{what}: LoRA disabled, relative error {e:.2e}");
+        let merged = x.clone().matmul(layer.merged_weight().transpose()) + b_row;
+        let e = rel_err(merged.inner(), layer.forward(x).inner());
+        assert!(e <= tol, "{what}: merged weight, relative error {e:.2e}");
+    }
+}
+
+/// Noisy RMSNorm: forward and the gradients of x and w against ordinary ops.
+fn norm_grads<B>(device: &B::Device, tol: f64)
+where
+    B: AutodiffBackend + QerlBackend,
+    B::InnerBackend: QerlBackend,
+{
+    let s = seed();
+    let (rows, d, eps) = (5, 208, 1e-6);
+    let w: Vec<f32> = normal(s, d, 0.2).iter().map(|v| 1.0 + v).collect();
+    let z = normal(s + 1, d, 0.05);
+    let x_data = normal(s + 2, rows * d, 1.0);
+    let probe = tensor::<B, 2>(normal(s + 3, rows * d, 1.0), [rows, d], device);
+    for with_noise in [false, true] {
+        let mut norm = NoisyRmsNorm::new(tensor::<B, 1>(w.clone(), [d], device), eps, true);
+        norm.set_noise(with_noise.then(|| tensor::<B, 1>(z.clone(), [d], device)));
+        let x = tensor::<B, 2>(x_data.clone(), [rows, d], device).require_grad();
+        let y = norm.forward(x.clone());
+        let g = (y.clone() * probe.clone()).sum().backward();
+
+        let xr = tensor::<B, 2>(x_data.clone(), [rows, d], device).require_grad();
+        let wr = tensor::<B, 1>(w.clone(), [d], device).require_grad();
+        let gain = if with_noise {
+            wr.clone() + tensor::<B, 1>(z.clone(), [d], device)
+        } else {
+            wr.clone()
+        };
+        let rstd = (xr.clone().powf_scalar(2.0).mean_dim(1) + eps)
+            .sqrt()
+            .recip();
+        let yr = xr.clone() * rstd * gain.unsqueeze();
+        let gr = (yr.clone() * probe.clone()).sum().backward();
+        let what = format!("noise={with_noise} seed {s}");
+        for (name, e) in [
+            ("y", rel_err(y.inner(), yr.inner())),
+            ("dx", rel_err(x.grad(&g).unwrap(), xr.grad(&gr).unwrap())),
+            (
+                "dw",
+                rel_err(norm.weight.grad(&g).unwrap(), wr.grad(&gr).unwrap()),
+            ),
+        ] {
+            assert!(
+                e <= tol,
+                "{what}: {name} relative error {e:.2e} > {tol:.0e}"
+            );
+        }
+    }
+    // A frozen norm's weight gets no gradient.
+    let norm = NoisyRmsNorm::new(tensor::<B, 1>(w, [d], device), eps, false);
+    let x = tensor::<B, 2>(x_data, [rows, d], device).require_grad();
+    let g = norm.forward(x.clone()).sum().backward();
+    assert!(norm.weight.grad(&g).is_none());
+    assert!(x.grad(&g).is_some());
+}
+
+#[test]
+fn cpu_linear_gradients_match_dense_reference() {
+    linear_grads::<Autodiff<qerl_nn::backends::Cpu>>(&Default::default(), 1e-5);
+}
+
+#[test]
+fn cpu_norm_gradients_match_reference() {
+    norm_grads::<Autodiff<qerl_nn::backends::Cpu>>(&Default::default(), 1e-5);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_linear_gradients_match_dense_reference() {
+    linear_grads::<Autodiff<qerl_nn::backends::Wgpu>>(&Default::default(), 1e-4);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_norm_gradients_match_reference() {
+    norm_grads::<Autodiff<qerl_nn::backends::Wgpu>>(&Default::default(), 1e-4);
+}
+
+#[test]
+fn unknown_precision_and_bad_shapes_are_named() {
+    let e = "int3".parse::<Precision>().unwrap_err().to_string();
+    assert!(e.contains("int3"), "{e}");
+    let device = Default::default();
+    let e = Nvfp4Linear::<qerl_nn::backends::Cpu>::from_dense(
+        "model.layers.0.mlp.down_proj",
+        &[0.5; 24 * 4],
+        SourceDtype::F32,
+        4,
+        24,
+        None,
+        Precision::Nvfp4,
+        None,
+        &device,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("model.layers.0.mlp.down_proj") && e.contains("[4, 24]"),
+        "{e}"
+    );
+}
