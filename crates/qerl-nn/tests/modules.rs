@@ -34,8 +34,8 @@ fn rel_err<B: burn::tensor::backend::Backend, const D: usize>(
     got: Tensor<B, D>,
     want: Tensor<B, D>,
 ) -> f64 {
-    let g = got.into_data().to_vec::<f32>().unwrap();
-    let w = want.into_data().to_vec::<f32>().unwrap();
+    let g = got.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+    let w = want.into_data().convert::<f32>().to_vec::<f32>().unwrap();
     assert!(g.iter().all(|v| v.is_finite()), "non-finite output");
     let num: f64 = g
         .iter()
@@ -222,6 +222,21 @@ fn wgpu_linear_gradients_match_dense_reference() {
 #[test]
 fn wgpu_norm_gradients_match_reference() {
     norm_grads::<Autodiff<qerl_nn::backends::Wgpu>>(&Default::default(), 1e-4);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features qerl-train/cuda -- --ignored cuda"]
+fn cuda_linear_gradients_match_dense_reference() {
+    // bf16 activations on both sides: a few units of bf16 rounding (2^-8).
+    linear_grads::<Autodiff<qerl_nn::backends::Cuda>>(&Default::default(), 2e-2);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features qerl-train/cuda -- --ignored cuda"]
+fn cuda_norm_gradients_match_reference() {
+    norm_grads::<Autodiff<qerl_nn::backends::Cuda>>(&Default::default(), 2e-2);
 }
 
 #[test]
