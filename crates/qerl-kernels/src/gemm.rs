@@ -42,7 +42,7 @@ fn dot_tile(
 /// Bias and LoRA epilogue for one output element, then the store.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn store_output<F: Float>(
+pub(crate) fn store_output<F: Float>(
     acc: f32,
     m: usize,
     n: usize,
@@ -445,6 +445,23 @@ pub fn matmul<R: Runtime, F: Float>(
         Some(l) => (l.t.clone(), l.b.clone(), l.rank, l.scale),
         None => (weight.code_table.clone(), weight.code_table.clone(), 0, 0.0),
     };
+    if crate::gemv::applies(client, m, k) {
+        crate::gemv::launch::<R, F>(
+            client,
+            x,
+            m,
+            weight,
+            bias_h,
+            t_h,
+            b_h,
+            rank,
+            scale,
+            bias.is_some(),
+            lora.is_some(),
+            y,
+        );
+        return Ok(());
+    }
     let count = CubeCount::Static(n.div_ceil(TILE_N) as u32, m.div_ceil(TILE_M) as u32, 1);
     // SAFETY: buffer sizes are checked above; the kernel bounds every row/column by m and n and
     // K is a multiple of the block size (a DeviceWeight invariant).

@@ -2,7 +2,8 @@
 //!
 //! * [`dequant`]: packed 4-bit weight + scales -> dense `[N, K]`.
 //! * [`gemm`]: W4A16 `Y[M,N] = X[M,K] · deq(W)[N,K]^T (+ bias) (+ s·(X·Aᵀ)·Bᵀ)`, the LoRA term
-//!   applied in the epilogue; and the backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`.
+//!   applied in the epilogue (for M <= 8 on devices with warp operations, a memory-bound
+//!   decode kernel, `gemv`); and the backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`.
 //! * [`rms_norm`]: fused noisy RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ (w + z)`, forward and backward.
 //!
 //! Every kernel accumulates in f32 whatever the activation type `F` (f32/f16 on wgpu, bf16 on
@@ -14,6 +15,7 @@
 pub mod dequant;
 mod device;
 pub mod gemm;
+mod gemv;
 pub mod rms_norm;
 
 pub use device::{DeviceWeight, KernelError};

@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Baselines and the kernel table, on the GPU machine, in the same run as qerl-kernel-bench.
+
+    python3 benches/device_table.py --qerl qerl.json [--out table.md] [--models ...] [--m ...]
+
+Measures, with CUDA events (median of several batches, inputs rotated so repeated runs do not
+measure the cache): the device-to-device copy bandwidth (bytes read + written), the bf16 matmul
+peak (8192^3 through cuBLAS), and torch bf16 `x @ w.T` (cuBLAS) on every shape qerl-kernel-bench
+timed; then prints one markdown table per model with qerl's rows beside cuBLAS's.
+"""
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+SHAPES = {
+    "qwen2.5-7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
+    "qwen2.5-32b": [("qkv", 7168, 5120), ("o", 5120, 5120), ("gate_up", 55296, 5120), ("down", 5120, 27648)],
+}
+
+
+def time_ms(fn, iters=20, repeats=5):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(iters):
+            fn(i)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    n = 1 << 30  # 1 GiB of bytes, 2 GiB moved per copy
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    src.random_(0, 255)
+    ms = time_ms(lambda i=0: dst.copy_(src), iters=10)
+    return 2 * n / (ms * 1e-3) / 1e12
+
+
+def matmul_peak():
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = time_ms(lambda i=0: a @ b, iters=10)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def cublas(m, n, k):
+    # Rotate over enough weight copies to exceed the 50 MB L2 for small shapes.
+    copies = max(1, min(8, (256 << 20) // (2 * n * k) + 1))
+    ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    ms = time_ms(lambda i=0: x @ ws[i % copies].t())
+    del ws
+    return ms * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--qerl", required=True)
+    p.add_argument("--out")
+    p.add_argument("--models", default="qwen2.5-7b,qwen2.5-32b")
+    p.add_argument("--m", default="1,4,16,64,256,1024,4096")
+    a = p.parse_args()
+    rows = json.load(open(a.qerl))
+    ms_list = [int(v) for v in a.m.split(",")]
+    dev = torch.cuda.get_device_name()
+    lines = [f"device: {dev}; torch {torch.__version__}"]
+    bw, peak = copy_bandwidth(), matmul_peak()
+    lines.append(f"copy bandwidth (read + write): {bw:.2f} TB/s; cuBLAS bf16 8192^3: {peak:.0f} TFLOP/s")
+    qerl = {(r["model"], r["layer"], r["kernel"], r["format"], r["m"]): r for r in rows}
+    for model in a.models.split(","):
+        lines.append("")
+        lines.append(f"### {model}")
+        lines.append("")
+        lines.append("| layer | M | cuBLAS bf16 us | TFLOP/s | qerl nvfp4 us | TB/s | TFLOP/s | vs cuBLAS | mxfp4 us | nf4 us | dX nvfp4 us |")
+        lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for layer, n, k in SHAPES[model]:
+            for m in ms_list:
+                us = cublas(m, n, k)
+                tf = 2 * m * n * k / (us * 1e-6) / 1e12
+                q = qerl.get((model, layer, "matmul", "nvfp4", m))
+                mx = qerl.get((model, layer, "matmul", "mxfp4", m))
+                nf = qerl.get((model, layer, "matmul", "nf4", m))
+                dx = qerl.get((model, layer, "dx", "nvfp4", m))
+                f = lambda r, key="us", fmt="{:.1f}": fmt.format(r[key]) if r else "-"
+                ratio = f"{us / q['us']:.2f}x" if q else "-"
+                lines.append(
+                    f"| {layer} | {m} | {us:.1f} | {tf:.1f} | {f(q)} | {f(q, 'tb_s', '{:.2f}')} | "
+                    f"{f(q, 'tflop_s', '{:.1f}')} | {ratio} | {f(mx)} | {f(nf)} | {f(dx)} |"
+                )
+    lora = [r for r in rows if r["kernel"].startswith("lora")]
+    if lora:
+        lines.append("")
+        lines.append("LoRA epilogue (lora_down + fused epilogue) over plain nvfp4 matmul:")
+        lines.append("")
+        lines.append("| model | layer | M | rank | us | plain us | overhead |")
+        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in lora:
+            plain = qerl.get((r["model"], r["layer"], "matmul", "nvfp4", r["m"]))
+            if plain:
+                lines.append(
+                    f"| {r['model']} | {r['layer']} | {r['m']} | {r['kernel'][4:]} | {r['us']:.1f} | "
+                    f"{plain['us']:.1f} | {100 * (r['us'] / plain['us'] - 1):.1f}% |"
+                )
+    norms = [r for r in rows if r["kernel"] == "rmsnorm"]
+    if norms:
+        lines.append("")
+        lines.append("| model | noisy RMSNorm M | D | us | TB/s | of copy bandwidth |")
+        lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in norms:
+            lines.append(f"| {r['model']} | {r['m']} | {r['n']} | {r['us']:.1f} | {r['tb_s']:.2f} | {100 * r['tb_s'] / bw:.0f}% |")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        open(a.out, "w").write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

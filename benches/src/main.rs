@@ -1,0 +1,323 @@
+//! `qerl-kernel-bench`: times the qerl kernels on the linear shapes of Qwen2.5-7B and -32B.
+//!
+//! For every layer (fused qkv, o, fused gate/up, down), format and M it prints time, effective
+//! bandwidth (packed weights, scales, activations in and out, each counted once) and TFLOP/s,
+//! and writes the rows as JSON (`--json`) so that `benches/device_table.py` can put them beside
+//! torch/cuBLAS bf16 measured in the same run on the same GPU.
+//!
+//! Times are device times (`ComputeClient::profile`, CUDA events on CUDA) over `--iters`
+//! back-to-back launches after a warm-up, the median of `--repeats` such batches. Weights are
+//! random valid codes and scales (the kernels' speed does not depend on the values), so no
+//! host quantization is needed.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use qerl_format::{Mxfp4Weight, Nf4Weight, Nvfp4Weight, QuantFormat, QuantizedWeight};
+use qerl_kernels::{dequant, gemm, rms_norm, DeviceWeight};
+use rand::{Rng, SeedableRng};
+
+#[derive(Parser, Debug)]
+#[command(about = "Times qerl's kernels on Qwen2.5 linear shapes")]
+struct Args {
+    /// Models whose shapes to run: qwen2.5-7b, qwen2.5-32b.
+    #[arg(long, value_delimiter = ',', default_value = "qwen2.5-7b,qwen2.5-32b")]
+    models: Vec<String>,
+    /// Rows of the activation (tokens).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256,1024,4096")]
+    m: Vec<usize>,
+    /// Formats to time.
+    #[arg(long, value_delimiter = ',', default_value = "nvfp4,mxfp4,nf4")]
+    formats: Vec<QuantFormat>,
+    /// Kernels: matmul, dx, lora, dequant, rmsnorm.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "matmul,dx,lora,dequant,rmsnorm"
+    )]
+    kernels: Vec<String>,
+    /// Launches per timed batch.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Timed batches (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Skip a case whose single launch takes longer than this many milliseconds.
+    #[arg(long, default_value_t = 200.0)]
+    max_ms: f64,
+    /// Where to write the rows as JSON.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+/// `(layer, n, k)` of a model's decoder linears, q/k/v and gate/up fused as served.
+fn shapes(model: &str) -> Result<Vec<(&'static str, usize, usize)>> {
+    Ok(match model {
+        // hidden 3584, intermediate 18944, 28 heads, 4 KV heads of 128.
+        "qwen2.5-7b" => vec![
+            ("qkv", 3584 + 2 * 512, 3584),
+            ("o", 3584, 3584),
+            ("gate_up", 2 * 18944, 3584),
+            ("down", 3584, 18944),
+        ],
+        // hidden 5120, intermediate 27648, 40 heads, 8 KV heads of 128.
+        "qwen2.5-32b" => vec![
+            ("qkv", 5120 + 2 * 1024, 5120),
+            ("o", 5120, 5120),
+            ("gate_up", 2 * 27648, 5120),
+            ("down", 5120, 27648),
+        ],
+        other => bail!("unknown model `{other}` (qwen2.5-7b, qwen2.5-32b)"),
+    })
+}
+
+/// A weight of random codes and plausible scales.
+fn random_weight(format: QuantFormat, n: usize, k: usize, rng: &mut impl Rng) -> QuantizedWeight {
+    let mut packed = vec![0u8; n * k / 2];
+    rng.fill(&mut packed[..]);
+    let blocks = n * k / format.block_size();
+    match format {
+        QuantFormat::Nvfp4 => {
+            let scales = (0..blocks)
+                .map(|_| rng.random_range(0x28u8..0x50))
+                .collect();
+            QuantizedWeight::Nvfp4(
+                Nvfp4Weight::from_parts("w", n, k, packed, scales, 448.0).unwrap(),
+            )
+        }
+        QuantFormat::Mxfp4 => {
+            let scales = (0..blocks).map(|_| rng.random_range(118u8..124)).collect();
+            QuantizedWeight::Mxfp4(Mxfp4Weight::from_parts("w", n, k, packed, scales).unwrap())
+        }
+        QuantFormat::Nf4 => {
+            let absmax = (0..blocks)
+                .map(|_| rng.random_range(0.01f32..0.1))
+                .collect();
+            QuantizedWeight::Nf4(Nf4Weight::from_parts("w", n, k, packed, absmax).unwrap())
+        }
+    }
+}
+
+struct Row {
+    model: String,
+    layer: &'static str,
+    kernel: &'static str,
+    format: String,
+    m: usize,
+    n: usize,
+    k: usize,
+    seconds: f64,
+    bytes: f64,
+    flops: f64,
+}
+
+impl Row {
+    fn print(&self) {
+        println!(
+            "{:<12} {:<8} {:<8} {:<6} {:>5} {:>6} {:>6} {:>10.1} {:>7.3} {:>8.2}",
+            self.model,
+            self.layer,
+            self.kernel,
+            self.format,
+            self.m,
+            self.n,
+            self.k,
+            self.seconds * 1e6,
+            self.bytes / self.seconds / 1e12,
+            self.flops / self.seconds / 1e12,
+        );
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "model": self.model, "layer": self.layer, "kernel": self.kernel,
+            "format": self.format, "m": self.m, "n": self.n, "k": self.k,
+            "us": self.seconds * 1e6,
+            "tb_s": self.bytes / self.seconds / 1e12,
+            "tflop_s": self.flops / self.seconds / 1e12,
+        })
+    }
+}
+
+/// Median device time of one launch of `f`.
+fn time<R: Runtime>(
+    client: &ComputeClient<R>,
+    iters: usize,
+    repeats: usize,
+    mut f: impl FnMut() + Send,
+) -> Result<f64> {
+    f();
+    cubecl::future::block_on(client.sync()).context("sync")?;
+    let mut times = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let ((), d) = client
+            .profile(
+                || {
+                    for _ in 0..iters {
+                        f()
+                    }
+                },
+                "bench",
+            )
+            .map_err(|e| anyhow::anyhow!("profile: {e:?}"))?;
+        let ticks = cubecl::future::block_on(d.resolve());
+        times.push(ticks.duration().as_secs_f64() / iters as f64);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+fn random_activations<R: Runtime>(c: &ComputeClient<R>, len: usize, rng: &mut impl Rng) -> Handle {
+    let v: Vec<half::bf16> = (0..len)
+        .map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect();
+    c.create_from_slice(half::bf16::as_bytes(&v))
+}
+
+fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
+    type F = half::bf16;
+    let c = R::client(device);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut rows = Vec::new();
+    let (iters, reps) = (args.iters, args.repeats);
+    let want = |k: &str| args.kernels.iter().any(|x| x == k);
+    println!(
+        "{:<12} {:<8} {:<8} {:<6} {:>5} {:>6} {:>6} {:>10} {:>7} {:>8}",
+        "model", "layer", "kernel", "format", "M", "N", "K", "us", "TB/s", "TFLOP/s"
+    );
+    for model in &args.models {
+        for (layer, n, k) in shapes(model)? {
+            for &format in &args.formats {
+                let w = DeviceWeight::upload(&c, &random_weight(format, n, k, &mut rng))?;
+                let scale_bytes = match format {
+                    QuantFormat::Nf4 => 4 * n * k / format.block_size(),
+                    _ => n * k / format.block_size(),
+                } as f64;
+                let weight_bytes = (n * k / 2) as f64 + scale_bytes;
+                let mut push =
+                    |kernel: &'static str, m: usize, seconds: f64, bytes: f64, flops: f64| {
+                        let row = Row {
+                            model: model.clone(),
+                            layer,
+                            kernel,
+                            format: format.to_string(),
+                            m,
+                            n,
+                            k,
+                            seconds,
+                            bytes,
+                            flops,
+                        };
+                        row.print();
+                        rows.push(row);
+                    };
+                if want("dequant") {
+                    let out = c.empty(n * k * 2);
+                    let s = time(&c, iters, reps, || {
+                        dequant::dequantize::<R, F>(&c, &w, &out).unwrap()
+                    })?;
+                    push("dequant", 0, s, weight_bytes + (n * k * 2) as f64, 0.0);
+                }
+                let mut slow = false;
+                for &m in &args.m {
+                    if slow {
+                        break;
+                    }
+                    let x = random_activations(&c, m * k, &mut rng);
+                    let y = c.empty(m * n * 2);
+                    let io = (2 * m * k + 2 * m * n) as f64;
+                    let flops = 2.0 * (m * n * k) as f64;
+                    if want("matmul") {
+                        let s = time(&c, iters, reps, || {
+                            gemm::matmul::<R, F>(&c, &x, m, &w, None, None, &y).unwrap()
+                        })?;
+                        push("matmul", m, s, weight_bytes + io, flops);
+                        slow = s * 1e3 > args.max_ms;
+                    }
+                    if want("dx") && format == QuantFormat::Nvfp4 {
+                        let dy = random_activations(&c, m * n, &mut rng);
+                        let dx = c.empty(m * k * 2);
+                        let s = time(&c, iters, reps, || {
+                            gemm::matmul_transposed::<R, F>(&c, &dy, m, &w, &dx).unwrap()
+                        })?;
+                        push("dx", m, s, weight_bytes + io, flops);
+                    }
+                    if want("lora") && format == QuantFormat::Nvfp4 && m >= 256 {
+                        for rank in [16usize, 32, 64] {
+                            let a = random_activations(&c, rank * k, &mut rng);
+                            let b = random_activations(&c, n * rank, &mut rng);
+                            let t = c.empty(m * rank * 4);
+                            let s = time(&c, iters, reps, || {
+                                gemm::lora_down::<R, F>(&c, &x, &a, &t, m, k, rank).unwrap();
+                                let l = gemm::LoraEpilogue {
+                                    t: &t,
+                                    b: &b,
+                                    rank,
+                                    scale: 2.0,
+                                };
+                                gemm::matmul::<R, F>(&c, &x, m, &w, None, Some(l), &y).unwrap();
+                            })?;
+                            let kernel = match rank {
+                                16 => "lora16",
+                                32 => "lora32",
+                                _ => "lora64",
+                            };
+                            push(kernel, m, s, weight_bytes + io, flops);
+                        }
+                    }
+                }
+            }
+        }
+        if want("rmsnorm") {
+            let d = shapes(model)?[1].1;
+            for &m in &args.m {
+                let x = random_activations(&c, m * d, &mut rng);
+                let w = random_activations(&c, d, &mut rng);
+                let z = random_activations(&c, d, &mut rng);
+                let y = c.empty(m * d * 2);
+                let rstd = c.empty(m * 4);
+                let s = time(&c, iters, reps, || {
+                    rms_norm::forward::<R, F>(&c, &x, &w, Some(&z), m, d, 1e-6, &y, &rstd).unwrap()
+                })?;
+                let row = Row {
+                    model: model.clone(),
+                    layer: "norm",
+                    kernel: "rmsnorm",
+                    format: "bf16".into(),
+                    m,
+                    n: d,
+                    k: d,
+                    seconds: s,
+                    bytes: (4 * m * d + 4 * d + 4 * m) as f64,
+                    flops: 0.0,
+                };
+                row.print();
+                rows.push(row);
+            }
+        }
+    }
+    Ok(rows)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let started = std::time::Instant::now();
+    #[cfg(feature = "cuda")]
+    let rows = run::<cubecl::cuda::CudaRuntime>(&Default::default(), &args)?;
+    #[cfg(not(feature = "cuda"))]
+    let rows = run::<cubecl::wgpu::WgpuRuntime>(&Default::default(), &args)?;
+    if let Some(path) = &args.json {
+        let v: Vec<_> = rows.iter().map(Row::json).collect();
+        std::fs::write(path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    eprintln!(
+        "{} rows in {:.1?}",
+        rows.len(),
+        Duration::from_secs_f64(started.elapsed().as_secs_f64())
+    );
+    Ok(())
+}
