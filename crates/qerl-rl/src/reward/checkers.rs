@@ -1,0 +1,189 @@
+//! The built-in rewards: GSM8K, MATH-500 and format.
+
+use regex::Regex;
+
+use super::extract::{
+    extract_answer_tag, extract_hash_answer, gsm8k_reference_answer, last_number, numbers_equal,
+    parse_number,
+};
+use super::math::{last_boxed, math_equiv};
+use super::{Reward, RewardError};
+
+/// How [`Gsm8kReward`] finds the model's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gsm8kMode {
+    /// The content of the last `<answer>…</answer>` if any, else the text after the last `####`;
+    /// a `\boxed{…}` inside is unwrapped, and a `####` inside the tag is honoured. The whole
+    /// candidate must be one number. This checks the format as well as the value.
+    Strict,
+    /// The last number anywhere in the completion (lm-eval's "flexible-extract").
+    Flexible,
+}
+
+/// GSM8K correctness: 1.0 when the extracted number equals the reference, else 0.0.
+///
+/// Numbers compare by value after removing commas, `$`, `%`, spaces and a trailing period:
+/// `"$1,000."` is 1000 and `"18.0"` is 18. The reference may be a bare answer (`"18"`) or a full
+/// GSM8K solution ending in `#### 18`.
+#[derive(Debug, Clone)]
+pub struct Gsm8kReward {
+    mode: Gsm8kMode,
+    name: String,
+}
+
+impl Gsm8kReward {
+    /// Strict extraction, named `gsm8k`.
+    pub fn strict() -> Self {
+        Self {
+            mode: Gsm8kMode::Strict,
+            name: "gsm8k".into(),
+        }
+    }
+
+    /// Flexible extraction, named `gsm8k_flexible`.
+    pub fn flexible() -> Self {
+        Self {
+            mode: Gsm8kMode::Flexible,
+            name: "gsm8k_flexible".into(),
+        }
+    }
+
+    /// The extraction mode.
+    pub fn mode(&self) -> Gsm8kMode {
+        self.mode
+    }
+
+    /// The answer text this reward reads from a completion (before number parsing), if any.
+    pub fn extract(&self, completion: &str) -> Option<String> {
+        match self.mode {
+            Gsm8kMode::Strict => {
+                let mut cand =
+                    extract_answer_tag(completion).or_else(|| extract_hash_answer(completion))?;
+                if let Some(after) = extract_hash_answer(cand) {
+                    cand = after;
+                }
+                if let Some(inner) = last_boxed(cand) {
+                    cand = inner;
+                }
+                Some(cand.to_string())
+            }
+            Gsm8kMode::Flexible => last_number(completion),
+        }
+    }
+}
+
+impl Reward for Gsm8kReward {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn score(&self, completion: &str, answer: &str) -> Result<f32, RewardError> {
+        let bad = |reason: &str| RewardError::BadReference {
+            reward: self.name.clone(),
+            answer: answer.to_string(),
+            reason: reason.to_string(),
+        };
+        let reference = gsm8k_reference_answer(answer).ok_or_else(|| bad("empty"))?;
+        let reference = parse_number(&reference).ok_or_else(|| bad("not a number"))?;
+        let Some(pred) = self.extract(completion) else {
+            return Ok(0.0);
+        };
+        Ok(match parse_number(&pred) {
+            Some(v) if numbers_equal(v, reference) => 1.0,
+            _ => 0.0,
+        })
+    }
+}
+
+/// MATH-500 correctness: 1.0 when the last `\boxed{…}` of the completion (or, without one, the
+/// content of the last `<answer>…</answer>`) is [`math_equiv`] to the reference, else 0.0.
+///
+/// The reference is the dataset's `answer` field; a full solution containing `\boxed{…}` works
+/// too (its last box is used).
+#[derive(Debug, Clone, Default)]
+pub struct Math500Reward;
+
+impl Math500Reward {
+    /// The reward, named `math`.
+    pub fn new() -> Self {
+        Self
+    }
+
+    /// The answer text this reward reads from a completion, if any.
+    pub fn extract(completion: &str) -> Option<&str> {
+        last_boxed(completion).or_else(|| {
+            let tag = extract_answer_tag(completion)?;
+            Some(last_boxed(tag).unwrap_or(tag))
+        })
+    }
+}
+
+impl Reward for Math500Reward {
+    fn name(&self) -> &str {
+        "math"
+    }
+
+    fn score(&self, completion: &str, answer: &str) -> Result<f32, RewardError> {
+        let reference = last_boxed(answer).unwrap_or(answer).trim();
+        if reference.is_empty() {
+            return Err(RewardError::BadReference {
+                reward: "math".into(),
+                answer: answer.to_string(),
+                reason: "empty".into(),
+            });
+        }
+        Ok(match Self::extract(completion) {
+            Some(pred) if math_equiv(pred, reference) => 1.0,
+            _ => 0.0,
+        })
+    }
+}
+
+/// 1.0 when the completion contains a match of a regular expression, else 0.0; the reference
+/// answer is ignored.
+#[derive(Debug, Clone)]
+pub struct FormatReward {
+    name: String,
+    pattern: Regex,
+}
+
+impl FormatReward {
+    /// A format reward named `name` for `pattern` (Rust `regex` syntax; use `(?s)` for `.` to
+    /// cross lines).
+    pub fn new(name: &str, pattern: &str) -> Result<Self, RewardError> {
+        let pattern = Regex::new(pattern).map_err(|source| RewardError::Pattern {
+            name: name.to_string(),
+            source,
+        })?;
+        Ok(Self {
+            name: name.to_string(),
+            pattern,
+        })
+    }
+
+    /// QeRL's GSM8K format check (their `soft_format_reward_func`): a `<think>…</think>` block
+    /// followed, after optional whitespace, by an `<answer>…</answer>` block. Named `format`.
+    pub fn think_answer() -> Self {
+        Self::new("format", r"(?s)<think>.*?</think>\s*<answer>.*?</answer>")
+            .expect("valid pattern")
+    }
+
+    /// A `\boxed{` somewhere in the completion. Named `format_boxed`.
+    pub fn boxed() -> Self {
+        Self::new("format_boxed", r"\\boxed\s*\{").expect("valid pattern")
+    }
+}
+
+impl Reward for FormatReward {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn score(&self, completion: &str, _answer: &str) -> Result<f32, RewardError> {
+        Ok(if self.pattern.is_match(completion) {
+            1.0
+        } else {
+            0.0
+        })
+    }
+}
