@@ -17,6 +17,7 @@
 //! | [`logprob`] | per-token log-probabilities and entropies from logits |
 //! | [`optim_schedule`] | warmup + cosine learning rate, global grad-norm clipping |
 //! | [`config`] | the `qerl train` TOML config: serde structs, defaults, `--set key=value`, validation |
+//! | [`synth`] | synthetic GSM8K-style problems (1-4 steps, worked solutions, `#### N`), disjoint splits |
 //! | [`metrics`] | [`metrics::StepMetrics`], a JSONL writer and a PNG plot of a run |
 //!
 //! # Notes for the training loop (burn 0.21)
@@ -58,6 +59,7 @@ pub mod metrics;
 pub mod optim_schedule;
 pub mod prompt;
 pub mod reward;
+pub mod synth;
 
 pub use advantage::{AdvantageError, AdvantageKind};
 pub use aqn::{AqnSchedule, SigmaSchedule};
