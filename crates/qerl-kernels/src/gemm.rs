@@ -110,10 +110,12 @@ fn matmul_kernel<F: Float, V: Size>(
     let vecs_per_tile = TILE_K / VEC;
     let words_per_row = k_dim / 8;
 
-    let mut acc00 = 0.0f32;
-    let mut acc01 = 0.0f32;
-    let mut acc10 = 0.0f32;
-    let mut acc11 = 0.0f32;
+    // The unit's 2x2 patch: rows ty, ty + 16; columns tx, tx + 16.
+    let mut acc = Array::<f32>::new(4usize);
+    #[unroll]
+    for i in 0..4usize {
+        acc[i] = 0.0f32;
+    }
 
     for kt in 0..k_dim / TILE_K {
         if tid < TILE_M * vecs_per_tile {
@@ -156,74 +158,38 @@ fn matmul_kernel<F: Float, V: Size>(
             }
         }
         sync_cube();
-        acc00 += dot_tile(&xs, &ws, ty, tx, TILE_K, TILE_K + 1);
-        acc01 += dot_tile(&xs, &ws, ty, tx + 16, TILE_K, TILE_K + 1);
-        acc10 += dot_tile(&xs, &ws, ty + 16, tx, TILE_K, TILE_K + 1);
-        acc11 += dot_tile(&xs, &ws, ty + 16, tx + 16, TILE_K, TILE_K + 1);
+        #[unroll]
+        for i in 0..2usize {
+            #[unroll]
+            for j in 0..2usize {
+                acc[2 * i + j] += dot_tile(&xs, &ws, ty + 16 * i, tx + 16 * j, TILE_K, TILE_K + 1);
+            }
+        }
         sync_cube();
     }
 
     let rank = rank as usize;
-    store_output::<F>(
-        acc00,
-        m0 + ty,
-        n0 + tx,
-        bias,
-        lora_t,
-        lora_b,
-        y,
-        m_rows,
-        n_cols,
-        rank,
-        lora_scale,
-        has_bias,
-        has_lora,
-    );
-    store_output::<F>(
-        acc01,
-        m0 + ty,
-        n0 + tx + 16,
-        bias,
-        lora_t,
-        lora_b,
-        y,
-        m_rows,
-        n_cols,
-        rank,
-        lora_scale,
-        has_bias,
-        has_lora,
-    );
-    store_output::<F>(
-        acc10,
-        m0 + ty + 16,
-        n0 + tx,
-        bias,
-        lora_t,
-        lora_b,
-        y,
-        m_rows,
-        n_cols,
-        rank,
-        lora_scale,
-        has_bias,
-        has_lora,
-    );
-    store_output::<F>(
-        acc11,
-        m0 + ty + 16,
-        n0 + tx + 16,
-        bias,
-        lora_t,
-        lora_b,
-        y,
-        m_rows,
-        n_cols,
-        rank,
-        lora_scale,
-        has_bias,
-        has_lora,
-    );
+    #[unroll]
+    for i in 0..2usize {
+        #[unroll]
+        for j in 0..2usize {
+            store_output::<F>(
+                acc[2 * i + j],
+                m0 + ty + 16 * i,
+                n0 + tx + 16 * j,
+                bias,
+                lora_t,
+                lora_b,
+                y,
+                m_rows,
+                n_cols,
+                rank,
+                lora_scale,
+                has_bias,
+                has_lora,
+            );
+        }
+    }
 }
 
 #[cube(launch_unchecked)]
@@ -256,10 +222,11 @@ fn matmul_transposed_kernel<F: Float>(
     let g_stride = 16 + 1;
     let w_stride = TILE_N + 1;
 
-    let mut acc00 = 0.0f32;
-    let mut acc01 = 0.0f32;
-    let mut acc10 = 0.0f32;
-    let mut acc11 = 0.0f32;
+    let mut acc = Array::<f32>::new(4usize);
+    #[unroll]
+    for i in 0..4usize {
+        acc[i] = 0.0f32;
+    }
 
     for nt in 0..n_cols.div_ceil(16) {
         let n0 = nt * 16;
@@ -305,31 +272,28 @@ fn matmul_transposed_kernel<F: Float>(
         sync_cube();
         #[unroll]
         for nn in 0..16usize {
-            let g0 = gs[ty * g_stride + nn];
-            let g1 = gs[(ty + 16) * g_stride + nn];
-            let w0 = ws[nn * w_stride + tx];
-            let w1 = ws[nn * w_stride + tx + 16];
-            acc00 += g0 * w0;
-            acc01 += g0 * w1;
-            acc10 += g1 * w0;
-            acc11 += g1 * w1;
+            #[unroll]
+            for i in 0..2usize {
+                #[unroll]
+                for j in 0..2usize {
+                    acc[2 * i + j] +=
+                        gs[(ty + 16 * i) * g_stride + nn] * ws[nn * w_stride + tx + 16 * j];
+                }
+            }
         }
         sync_cube();
     }
 
-    let m = m0 + ty;
-    let k = k0 + tx;
-    if m < m_rows && k < k_dim {
-        dx[m * k_dim + k] = F::cast_from(acc00);
-    }
-    if m < m_rows && k + 16 < k_dim {
-        dx[m * k_dim + k + 16] = F::cast_from(acc01);
-    }
-    if m + 16 < m_rows && k < k_dim {
-        dx[(m + 16) * k_dim + k] = F::cast_from(acc10);
-    }
-    if m + 16 < m_rows && k + 16 < k_dim {
-        dx[(m + 16) * k_dim + k + 16] = F::cast_from(acc11);
+    #[unroll]
+    for i in 0..2usize {
+        #[unroll]
+        for j in 0..2usize {
+            let m = m0 + ty + 16 * i;
+            let k = k0 + tx + 16 * j;
+            if m < m_rows && k < k_dim {
+                dx[m * k_dim + k] = F::cast_from(acc[2 * i + j]);
+            }
+        }
     }
 }
 
