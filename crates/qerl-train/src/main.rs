@@ -19,12 +19,27 @@ struct Cli {
 enum Command {
     /// Quantize a Hugging Face checkpoint's decoder linears to NVFP4, MXFP4 or NF4.
     Quantize(cmd::quantize::Args),
+    /// Generate completions with a Qwen2 / Llama model (dense or NVFP4, optional LoRA adapter).
+    Generate(cmd::generate::Args),
+    /// Print, for every position of a text, the top-K next tokens and their log-probabilities.
+    Score(cmd::score::Args),
+    /// RL post-training (GRPO / DAPO / Dr. GRPO) with LoRA on a frozen NVFP4 or BF16 model, with AQN.
+    Train(cmd::train::Args),
+    /// pass@1 (mean over K samples) on GSM8K, MATH-500 or a JSONL file, strict and flexible.
+    Eval(cmd::eval::Args),
+    /// Re-score a JSONL file of completions with a dataset's rewards.
+    Reward(cmd::reward::Args),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Quantize(args) => cmd::quantize::run(args),
+        Command::Generate(args) => cmd::generate::run(args),
+        Command::Score(args) => cmd::score::run(args),
+        Command::Train(args) => cmd::train::run(args),
+        Command::Eval(args) => cmd::eval::run(args),
+        Command::Reward(args) => cmd::reward::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {}", error_chain(&err));

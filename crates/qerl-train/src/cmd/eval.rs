@@ -1,0 +1,138 @@
+//! `qerl eval --model DIR [--adapter DIR] --dataset gsm8k|math500|FILE.jsonl [--limit N]
+//! [--samples K]`: pass@1 as the mean over K samples per question (temperature 0.6, top-p
+//! 0.95 by default), with strict and flexible answer extraction; one JSONL line per sample
+//! and a summary table.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use qerl_model::config::eos_token_ids;
+use qerl_model::{generate, ChatTemplate, GenerationConfig, GenerationDefaults, QerlBackend, SamplingParams};
+use qerl_rl::data::{load_jsonl, resolve_dataset, DatasetKind, FieldSpec, Split};
+use qerl_rl::eval::{judge, PassAtOne};
+use qerl_rl::prompt::PromptTemplate;
+use serde_json::json;
+
+use super::generate::{load, with_backend, ModelArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// gsm8k, math500 (built-in test splits) or a JSONL file with `question` and `answer`.
+    #[arg(long)]
+    pub dataset: String,
+    /// Evaluate the first N questions (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub limit: usize,
+    /// Samples per question (pass@1 is their mean correctness).
+    #[arg(long, default_value_t = 1)]
+    pub samples: usize,
+    #[arg(long, default_value_t = 0.6)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 1024)]
+    pub max_new_tokens: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Questions generated together (each with its K samples).
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    /// Per-sample output (default: eval-<dataset>.jsonl).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    /// Plain-text prompts instead of the ChatML template.
+    #[arg(long)]
+    pub no_chat: bool,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    with_backend!(args.model.device, B => run_on::<B>(&args, &Default::default()))
+}
+
+fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
+    let (kind, file, spec) = resolve_dataset(&args.dataset, Split::Test, &FieldSpec::math500())
+        .or_else(|_| resolve_dataset(&args.dataset, Split::Test, &FieldSpec { question: "question".into(), answer: "answer".into(), answer_format: qerl_rl::data::AnswerFormat::Plain, id: None }))?;
+    let mut examples = load_jsonl(&file, &spec)?;
+    if args.limit > 0 {
+        examples.truncate(args.limit);
+    }
+    anyhow::ensure!(!examples.is_empty(), "`{}` has no examples", file.display());
+    let loaded = load::<B>(&args.model, device)?;
+    let (model, tok) = (&loaded.model, &loaded.tokenizer);
+    let dir = &args.model.model;
+    let template = match kind {
+        DatasetKind::Gsm8k => PromptTemplate::think_answer(),
+        _ => PromptTemplate::boxed(),
+    };
+    let chat = (!args.no_chat).then(|| ChatTemplate::for_model(dir)).transpose()?;
+    let questions: Vec<String> = examples.iter().map(|e| e.question.clone()).collect();
+    let prompts = qerl_train::rollout::encode_prompts(&questions, &template, chat.as_ref(), tok, 0)?;
+    let defaults = GenerationDefaults::from_dir(dir)?;
+    let base = GenerationConfig {
+        max_new_tokens: args.max_new_tokens,
+        sampling: SamplingParams { temperature: args.temperature, top_p: args.top_p, top_k: 0 },
+        seed: args.seed,
+        eos_token_ids: eos_token_ids(model.config(), &defaults),
+        stop_strings: Vec::new(),
+        pad_token_id: defaults.pad_token_id.or(model.config().pad_token_id).unwrap_or(0),
+    };
+    let out_path = args.output.clone().unwrap_or_else(|| PathBuf::from(format!("eval-{}.jsonl", kind_name(kind))));
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(&out_path).with_context(|| format!("cannot create `{}`", out_path.display()))?,
+    );
+    let k = args.samples.max(1);
+    let mut tally = PassAtOne::default();
+    let start = Instant::now();
+    let mut tokens = 0usize;
+    let idx: Vec<usize> = (0..examples.len()).collect();
+    for (chunk_no, chunk) in idx.chunks(args.batch.max(1)).enumerate() {
+        let batch: Vec<(usize, Vec<u32>)> = chunk.iter().map(|&i| (i, prompts[i].clone())).collect();
+        let gen = GenerationConfig { seed: args.seed.wrapping_add(chunk_no as u64 * 1_000_003), ..base.clone() };
+        let groups = qerl_train::rollout::sample_groups(model, &batch, k, &gen, tok)?;
+        for g in groups {
+            let e = &examples[g.example];
+            let verdicts: Vec<_> = g.texts.iter().map(|t| judge(kind, t, &e.answer)).collect();
+            for (s, (v, (text, c))) in verdicts.iter().zip(g.texts.iter().zip(&g.completions)).enumerate() {
+                tokens += c.tokens.len();
+                let line = json!({
+                    "id": e.id, "question": e.question, "answer": e.answer, "sample": s,
+                    "completion": text, "strict": v.strict, "flexible": v.flexible,
+                    "strict_answer": v.strict_answer, "flexible_answer": v.flexible_answer,
+                    "tokens": c.tokens.len(), "finish": format!("{:?}", c.finish),
+                });
+                writeln!(out, "{line}")?;
+            }
+            tally.add_question(&verdicts);
+        }
+        eprint!("\r{}/{} questions", tally.questions, examples.len());
+    }
+    eprintln!();
+    out.flush()?;
+    let secs = start.elapsed().as_secs_f64();
+    println!("| dataset | model | adapter | questions | samples/q | pass@1 strict | pass@1 flexible | pass@{k} strict |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| {} | {} | {} | {} | {k} | {:.2}% | {:.2}% | {:.2}% |",
+        args.dataset,
+        dir.display(),
+        args.model.adapter.as_ref().map_or("-".into(), |a| a.display().to_string()),
+        tally.questions,
+        100.0 * tally.strict(),
+        100.0 * tally.flexible(),
+        100.0 * tally.pass_at_k_strict()
+    );
+    eprintln!("{tokens} tokens in {secs:.1}s; per-sample output: {}", out_path.display());
+    Ok(())
+}
+
+pub fn kind_name(kind: DatasetKind) -> &'static str {
+    match kind {
+        DatasetKind::Gsm8k => "gsm8k",
+        DatasetKind::Math500 => "math500",
+        DatasetKind::Jsonl => "jsonl",
+    }
+}

@@ -1,0 +1,24 @@
+//! The trainer library behind `qerl train`, `qerl eval` and `qerl reward`.
+//!
+//! | module | what |
+//! | --- | --- |
+//! | [`trainer`] | [`Trainer`]: rollouts on the graph-free view of the policy, GRPO / DAPO / Dr. GRPO updates, checkpoints, resume |
+//! | [`run`] | the step loop: metrics JSONL, progress bar, PNG plot, periodic checkpoints, Ctrl-C |
+//! | [`rollout`] | prompts, batched sampling of G completions per prompt, scoring |
+//! | [`update`] | the training batch, old / reference log-probs, `mu` AdamW steps with accumulation and global clipping |
+//! | [`noise`] | AQN noise vectors folded into the RMSNorm weights |
+//! | [`peft`] | the PEFT adapter writer, norm weights, host tensors |
+//! | [`checkpoint`] | atomic checkpoint directories and the trainer state |
+//! | [`signal`] | the Ctrl-C flag |
+
+pub mod checkpoint;
+pub mod noise;
+pub mod peft;
+pub mod rollout;
+pub mod run;
+pub mod signal;
+pub mod trainer;
+pub mod update;
+
+pub use run::{run, RunOptions, RunOutcome};
+pub use trainer::{TrainBackend, TrainSetup, Trainer};

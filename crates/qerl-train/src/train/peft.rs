@@ -1,0 +1,232 @@
+//! Writing the trained parameters: a PEFT LoRA adapter (what `qerl_model::Adapter` and
+//! Hugging Face PEFT read) and the trainable RMSNorm weights, plus host copies of both for
+//! checkpoints and tests.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use burn::module::{Param, ParamId};
+use burn::tensor::{Tensor, TensorData};
+use qerl_model::{CausalLm, QerlBackend};
+use qerl_nn::Nvfp4Linear;
+use safetensors::{Dtype, View};
+use serde_json::json;
+
+/// PEFT's prefix of every tensor name.
+pub const PEFT_PREFIX: &str = "base_model.model.";
+/// The norms file of a checkpoint.
+pub const NORMS_FILE: &str = "norms.safetensors";
+
+/// The seven decoder linears of every layer, named like their checkpoint modules.
+pub fn linears<B: QerlBackend>(model: &CausalLm<B>) -> Vec<(String, &Nvfp4Linear<B>)> {
+    let mut out = Vec::with_capacity(7 * model.layers.len());
+    for (i, l) in model.layers.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        let a = &l.self_attn;
+        for (n, lin) in [
+            ("self_attn.q_proj", &a.q_proj),
+            ("self_attn.k_proj", &a.k_proj),
+            ("self_attn.v_proj", &a.v_proj),
+            ("self_attn.o_proj", &a.o_proj),
+            ("mlp.gate_proj", &l.mlp.gate_proj),
+            ("mlp.up_proj", &l.mlp.up_proj),
+            ("mlp.down_proj", &l.mlp.down_proj),
+        ] {
+            out.push((format!("{p}.{n}"), lin));
+        }
+    }
+    out
+}
+
+/// Names of the norms in [`CausalLm::norms_mut`] order.
+pub fn norm_names(layers: usize) -> Vec<String> {
+    let mut out = Vec::with_capacity(2 * layers + 1);
+    for i in 0..layers {
+        out.push(format!("model.layers.{i}.input_layernorm.weight"));
+        out.push(format!("model.layers.{i}.post_attention_layernorm.weight"));
+    }
+    out.push("model.norm.weight".into());
+    out
+}
+
+/// A host tensor: f32 values and shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+impl HostTensor {
+    pub fn of<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Self {
+        HostTensor {
+            shape: t.dims().to_vec(),
+            values: t
+                .cast(burn::tensor::DType::F32)
+                .into_data()
+                .iter::<f32>()
+                .collect(),
+        }
+    }
+}
+
+impl View for &HostTensor {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Owned(self.values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+    fn data_len(&self) -> usize {
+        self.values.len() * 4
+    }
+}
+
+/// The LoRA matrices under PEFT's names (`base_model.model.<module>.lora_A.weight`, `lora_B`),
+/// with their parameter ids.
+pub fn lora_tensors<B: QerlBackend>(model: &CausalLm<B>) -> BTreeMap<String, (HostTensor, ParamId)> {
+    let mut out = BTreeMap::new();
+    for (name, lin) in linears(model) {
+        if let Some(l) = lin.lora() {
+            out.insert(
+                format!("{PEFT_PREFIX}{name}.lora_A.weight"),
+                (HostTensor::of(l.a.val()), l.a.id),
+            );
+            out.insert(
+                format!("{PEFT_PREFIX}{name}.lora_B.weight"),
+                (HostTensor::of(l.b.val()), l.b.id),
+            );
+        }
+    }
+    out
+}
+
+/// The RMSNorm weights by checkpoint name, with their parameter ids.
+pub fn norm_tensors<B: QerlBackend>(model: &mut CausalLm<B>) -> BTreeMap<String, (HostTensor, ParamId)> {
+    let names = norm_names(model.layers.len());
+    model
+        .norms_mut()
+        .into_iter()
+        .zip(names)
+        .map(|(n, name)| (name, (HostTensor::of(n.weight.val()), n.weight.id)))
+        .collect()
+}
+
+fn write_safetensors(path: &Path, tensors: &BTreeMap<String, (HostTensor, ParamId)>) -> Result<()> {
+    let views: Vec<(&str, &HostTensor)> = tensors.iter().map(|(k, (t, _))| (k.as_str(), t)).collect();
+    safetensors::serialize_to_file(views, None, path)
+        .with_context(|| format!("cannot write `{}`", path.display()))
+}
+
+/// Reads every tensor of an f32 safetensors file.
+pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read `{}`", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .with_context(|| format!("`{}` is not a safetensors file", path.display()))?;
+    let mut out = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        anyhow::ensure!(view.dtype() == Dtype::F32, "`{}`: {name} is not F32", path.display());
+        let values = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        out.insert(name, HostTensor { shape: view.shape().to_vec(), values });
+    }
+    Ok(out)
+}
+
+/// What `adapter_config.json` says besides the weights.
+#[derive(Clone, Debug)]
+pub struct AdapterMeta {
+    pub rank: usize,
+    pub alpha: f32,
+    pub targets: Vec<String>,
+    pub base_model: String,
+}
+
+/// Writes `adapter_model.safetensors` + `adapter_config.json` (PEFT's LoRA format) into `dir`.
+pub fn write_adapter<B: QerlBackend>(model: &CausalLm<B>, meta: &AdapterMeta, dir: &Path) -> Result<()> {
+    write_safetensors(&dir.join(qerl_model::ADAPTER_WEIGHTS), &lora_tensors(model))?;
+    let config = json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": meta.base_model,
+        "r": meta.rank,
+        "lora_alpha": meta.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": meta.targets,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "use_rslora": false,
+        "use_dora": false,
+        "inference_mode": true,
+        "init_lora_weights": true,
+    });
+    let path = dir.join(qerl_model::ADAPTER_CONFIG);
+    std::fs::write(&path, serde_json::to_string_pretty(&config)? + "\n")
+        .with_context(|| format!("cannot write `{}`", path.display()))
+}
+
+/// Writes the norm weights (`norms.safetensors`) into `dir`.
+pub fn write_norms<B: QerlBackend>(model: &mut CausalLm<B>, dir: &Path) -> Result<()> {
+    write_safetensors(&dir.join(NORMS_FILE), &norm_tensors(model))
+}
+
+/// Parameter ids of the trained tensors by name (LoRA and norms), for the optimizer state.
+pub fn param_ids<B: QerlBackend>(model: &mut CausalLm<B>) -> BTreeMap<String, u64> {
+    let mut out: BTreeMap<String, u64> =
+        lora_tensors(model).into_iter().map(|(k, (_, id))| (k, id.val())).collect();
+    out.extend(norm_tensors(model).into_iter().map(|(k, (_, id))| (k, id.val())));
+    out
+}
+
+fn tensor<B: QerlBackend, const D: usize>(t: &HostTensor, device: &B::Device) -> Tensor<B, D> {
+    let shape: [usize; D] = t.shape.clone().try_into().expect("tensor rank");
+    Tensor::from_data(TensorData::new(t.values.clone(), shape), device)
+}
+
+fn param<B: QerlBackend, const D: usize>(
+    t: &HostTensor,
+    id: Option<u64>,
+    trainable: bool,
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
+    let id = id.map_or_else(ParamId::new, ParamId::from);
+    Param::initialized(id, tensor::<B, D>(t, device).set_require_grad(trainable))
+}
+
+/// Sets LoRA matrices (by PEFT name) and norm weights (by checkpoint name) from host tensors,
+/// giving the parameters the ids in `ids` where present (so that a saved optimizer state
+/// finds them). Every LoRA of the model must be in `lora`.
+pub fn load_trained<B: QerlBackend>(
+    model: &mut CausalLm<B>,
+    lora: &BTreeMap<String, HostTensor>,
+    norms: Option<&BTreeMap<String, HostTensor>>,
+    ids: &BTreeMap<String, u64>,
+) -> Result<()> {
+    let device = model.device();
+    let names: Vec<String> = linears(model).into_iter().map(|(n, _)| n).collect();
+    for name in names {
+        let lin = model.linear_mut(&name).expect("a known module");
+        let Some(l) = lin.lora.as_mut() else { continue };
+        for (which, slot) in [("A", &mut l.a), ("B", &mut l.b)] {
+            let key = format!("{PEFT_PREFIX}{name}.lora_{which}.weight");
+            let t = lora.get(&key).with_context(|| format!("the adapter has no `{key}`"))?;
+            anyhow::ensure!(t.shape == slot.dims().to_vec(), "`{key}` has shape {:?}, expected {:?}", t.shape, slot.dims());
+            *slot = param::<B, 2>(t, ids.get(&key).copied(), true, &device);
+        }
+    }
+    if let Some(norms) = norms {
+        let names = norm_names(model.layers.len());
+        for (n, name) in model.norms_mut().into_iter().zip(names) {
+            let t = norms.get(&name).with_context(|| format!("no norm `{name}`"))?;
+            let trainable = n.weight.is_require_grad();
+            n.weight = param::<B, 1>(t, ids.get(&name).copied(), trainable, &device);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,132 @@
+//! The step loop of `qerl train`: metrics to `output_dir/metrics.jsonl` and a progress bar
+//! each step, checkpoints every `ckpt_interval` steps and at the end, `metrics.png` when the
+//! run ends, and a clean stop (checkpoint, then exit) on Ctrl-C.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use qerl_rl::metrics::{plot_run, read_jsonl, MetricsWriter, StepMetrics};
+
+use crate::trainer::{TrainBackend, Trainer};
+
+/// Options of [`run`].
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Draw a progress bar on stderr (hidden anyway when stderr is not a terminal).
+    pub progress: bool,
+    /// Stop after this many steps of this invocation (the run stays resumable); `None`: run
+    /// to `train.steps`.
+    pub max_steps: Option<usize>,
+}
+
+/// How [`run`] ended.
+#[derive(Clone, Debug)]
+pub struct RunOutcome {
+    /// Steps done in all (the trainer's step counter).
+    pub steps: usize,
+    /// The last checkpoint written.
+    pub checkpoint: Option<PathBuf>,
+    /// Whether Ctrl-C stopped the run early.
+    pub interrupted: bool,
+    pub metrics_path: PathBuf,
+    pub plot_path: PathBuf,
+    /// This invocation's metrics.
+    pub metrics: Vec<StepMetrics>,
+}
+
+/// The metrics file of a run, keeping only records of steps before `step` (a resumed run
+/// rewrites what a crash after the last checkpoint left behind).
+fn open_metrics(path: &std::path::Path, step: usize) -> Result<MetricsWriter> {
+    if path.exists() {
+        let keep: Vec<StepMetrics> = if step == 0 {
+            Vec::new()
+        } else {
+            read_jsonl(path)?.into_iter().filter(|m| m.step < step).collect()
+        };
+        std::fs::remove_file(path)?;
+        let mut w = MetricsWriter::append(path)?;
+        for m in &keep {
+            w.write(m)?;
+        }
+        return Ok(w);
+    }
+    Ok(MetricsWriter::append(path)?)
+}
+
+fn bar(total: usize, done: usize, show: bool) -> ProgressBar {
+    let pb = ProgressBar::with_draw_target(
+        Some(total as u64),
+        if show {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        },
+    );
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_position(done as u64);
+    pb
+}
+
+/// Runs the trainer to `train.steps` (or until Ctrl-C / `max_steps`).
+pub fn run<B: TrainBackend>(trainer: &mut Trainer<B>, options: &RunOptions) -> Result<RunOutcome> {
+    let c = trainer.config().clone();
+    let out = &c.train.output_dir;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create `{}`", out.display()))?;
+    let metrics_path = out.join("metrics.jsonl");
+    let plot_path = out.join("metrics.png");
+    let mut writer = open_metrics(&metrics_path, trainer.state.step)?;
+    if trainer.state.step == 0 {
+        std::fs::write(out.join("config.toml"), c.to_toml())?;
+    }
+    let total = c.train.steps;
+    let pb = bar(total, trainer.state.step, options.progress);
+    let mut outcome = RunOutcome {
+        steps: trainer.state.step,
+        checkpoint: None,
+        interrupted: false,
+        metrics_path: metrics_path.clone(),
+        plot_path: plot_path.clone(),
+        metrics: Vec::new(),
+    };
+    let mut saved_at = None;
+    let mut done_here = 0;
+    while trainer.state.step < total {
+        if crate::signal::requested() {
+            outcome.interrupted = true;
+            break;
+        }
+        if options.max_steps.is_some_and(|n| done_here >= n) {
+            break;
+        }
+        let m = trainer.train_step()?;
+        done_here += 1;
+        writer.write(&m)?;
+        pb.set_position(trainer.state.step as u64);
+        pb.set_message(format!(
+            "reward {:.3} acc {:.2} loss {:+.4} kl {:.4} |g| {:.3} len {:.1} sigma {:.1e}",
+            m.reward_mean, m.accuracy, m.loss, m.kl, m.grad_norm, m.completion_len_mean, m.sigma
+        ));
+        if m.reward_failures > 0 {
+            pb.println(format!("step {}: {} reward failures (scored 0)", m.step, m.reward_failures));
+        }
+        outcome.metrics.push(m);
+        let step = trainer.state.step;
+        if c.train.ckpt_interval > 0 && step % c.train.ckpt_interval == 0 {
+            outcome.checkpoint = Some(trainer.save_checkpoint()?);
+            saved_at = Some(step);
+        }
+    }
+    if saved_at != Some(trainer.state.step) && (trainer.state.step > 0) {
+        outcome.checkpoint = Some(trainer.save_checkpoint()?);
+    }
+    pb.finish_and_clear();
+    outcome.steps = trainer.state.step;
+    let all = read_jsonl(&metrics_path)?;
+    plot_run(&all, &plot_path)?;
+    Ok(outcome)
+}

@@ -1,0 +1,373 @@
+//! The GRPO / DAPO / Dr. GRPO trainer: one model serves rollouts (its inner, graph-free view)
+//! and the training forward; the KL reference is the same model with LoRA disabled.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use burn::module::AutodiffModule;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, Optimizer};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use qerl_model::config::eos_token_ids;
+use qerl_model::{
+    load, CausalLm, ChatTemplate, GenerationConfig, GenerationDefaults, LoadOptions, LoraSpec,
+    QerlBackend, SamplingParams, Tokenizer,
+};
+use qerl_rl::advantage::{group_advantages, zero_std_fraction, DynamicBatch};
+use qerl_rl::data::{load_jsonl, Example, PromptSampler};
+use qerl_rl::metrics::StepMetrics;
+use qerl_rl::reward::RewardSet;
+use qerl_rl::TrainConfig;
+use rand::{Rng, SeedableRng};
+
+use crate::checkpoint::{self, TrainerState, CONFIG_FILE, OPTIMIZER_FILE};
+use crate::noise::{set_noise, step_noise};
+use crate::peft::{self, AdapterMeta, HostTensor, NORMS_FILE, PEFT_PREFIX};
+use crate::rollout::{encode_prompts, merge_scores, sample_groups, score_groups, Group};
+use crate::update::{update, TrainBatch, UpdateConfig, UpdateStats};
+
+/// A backend the trainer runs on: autodiff over a qerl backend.
+pub trait TrainBackend: AutodiffBackend<InnerBackend: QerlBackend> + QerlBackend {}
+impl<B: AutodiffBackend<InnerBackend: QerlBackend> + QerlBackend> TrainBackend for B {}
+
+/// What a run needs besides the model: the resolved config, tokenizer, rewards and data.
+pub struct TrainSetup {
+    pub config: TrainConfig,
+    pub tokenizer: Tokenizer,
+    pub rewards: RewardSet,
+    pub examples: Vec<Example>,
+    /// Wrap prompts in the model's ChatML template (else the plain text).
+    pub chat: bool,
+}
+
+impl TrainSetup {
+    /// Rewards and data from the config; the tokenizer from `tokenizer` or the model directory.
+    pub fn from_config(config: TrainConfig, tokenizer: Option<&Path>) -> Result<Self> {
+        config.validate()?;
+        let config = config.resolved();
+        let tokenizer = Tokenizer::for_model(&config.model.dir, tokenizer)?;
+        let rewards = config.reward_set()?;
+        let file = config
+            .data
+            .file()
+            .context("data.path is required for dataset = \"jsonl\"")?;
+        let examples = load_jsonl(&file, &config.data.field_spec())?;
+        anyhow::ensure!(!examples.is_empty(), "`{}` has no examples", file.display());
+        Ok(TrainSetup {
+            config,
+            tokenizer,
+            rewards,
+            examples,
+            chat: true,
+        })
+    }
+}
+
+fn precision(p: qerl_rl::config::Precision) -> qerl_model::Precision {
+    use qerl_rl::config::Precision as P;
+    match p {
+        P::Nvfp4 => qerl_model::Precision::Nvfp4,
+        P::Bf16 => qerl_model::Precision::Bf16,
+        P::Mxfp4 => qerl_model::Precision::Mxfp4,
+        P::Nf4 => qerl_model::Precision::Nf4,
+    }
+}
+
+/// A seed mixed from the run seed, the step and a stream number.
+pub fn mix(seed: u64, step: usize, stream: u64) -> u64 {
+    let mut z = seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ stream.rotate_left(29);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The trainer.
+pub struct Trainer<B: TrainBackend> {
+    model: Option<CausalLm<B>>,
+    optim: OptimizerAdaptor<AdamW, CausalLm<B>, B>,
+    pub setup: TrainSetup,
+    prompts: Vec<Vec<u32>>,
+    answers: Vec<String>,
+    sampler: PromptSampler,
+    pub state: TrainerState,
+    generation: GenerationConfig,
+    device: B::Device,
+}
+
+impl<B: TrainBackend> Trainer<B> {
+    /// Loads the model with fresh LoRA adapters (A uniform in ±1/sqrt(d_in) from the run seed,
+    /// B zero: PEFT's initialisation) and a fresh optimizer.
+    pub fn new(setup: TrainSetup, device: &B::Device) -> Result<Self> {
+        let c = &setup.config;
+        let options = LoadOptions {
+            precision: Some(precision(c.model.precision)),
+            lora: Some(LoraSpec {
+                config: qerl_nn::LoraConfig {
+                    rank: c.lora.rank,
+                    alpha: c.lora.alpha,
+                },
+                targets: c.lora.targets.clone(),
+            }),
+            trainable_norms: c.lora.train_norms,
+        };
+        let dir = &c.model.dir;
+        let mut model = load::<B>(dir, &options, device)
+            .with_context(|| format!("cannot load the model in `{}`", dir.display()))?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(mix(c.train.seed, 0, 0x10AA));
+        let mut init = BTreeMap::new();
+        for (name, lin) in peft::linears(&model) {
+            if let Some(l) = lin.lora() {
+                let ([r, d_in], [d_out, _]) = (l.a.dims(), l.b.dims());
+                let bound = 1.0 / (d_in as f32).sqrt();
+                let a = (0..r * d_in).map(|_| rng.random_range(-bound..bound)).collect();
+                let a = HostTensor { shape: vec![r, d_in], values: a };
+                let b = HostTensor { shape: vec![d_out, r], values: vec![0.0; d_out * r] };
+                init.insert(format!("{PEFT_PREFIX}{name}.lora_A.weight"), a);
+                init.insert(format!("{PEFT_PREFIX}{name}.lora_B.weight"), b);
+            }
+        }
+        peft::load_trained(&mut model, &init, None, &BTreeMap::new())?;
+        let o = &c.optim;
+        let optim = AdamWConfig::new()
+            .with_beta_1(o.beta1)
+            .with_beta_2(o.beta2)
+            .with_epsilon(o.epsilon)
+            .with_weight_decay(o.weight_decay)
+            .init::<B, CausalLm<B>>();
+        let chat = setup.chat.then(|| ChatTemplate::for_model(dir)).transpose()?;
+        let questions: Vec<String> = setup.examples.iter().map(|e| e.question.clone()).collect();
+        let prompts = encode_prompts(
+            &questions,
+            &c.data.prompt,
+            chat.as_ref(),
+            &setup.tokenizer,
+            c.data.max_prompt_tokens,
+        )?;
+        let answers = setup.examples.iter().map(|e| e.answer.clone()).collect();
+        let defaults = GenerationDefaults::from_dir(dir)?;
+        let generation = GenerationConfig {
+            max_new_tokens: c.rollout.max_completion_tokens,
+            sampling: SamplingParams {
+                temperature: c.rollout.temperature,
+                top_p: c.rollout.top_p,
+                top_k: 0,
+            },
+            seed: 0,
+            eos_token_ids: eos_token_ids(model.config(), &defaults),
+            stop_strings: Vec::new(),
+            pad_token_id: defaults.pad_token_id.or(model.config().pad_token_id).unwrap_or(0),
+        };
+        let sampler = PromptSampler::new(setup.examples.len(), c.data.shuffle, c.train.seed);
+        let state = TrainerState {
+            step: 0,
+            seed: c.train.seed,
+            prompts_consumed: 0,
+            param_ids: BTreeMap::new(),
+            trained_norms: c.lora.train_norms,
+        };
+        Ok(Trainer {
+            model: Some(model),
+            optim,
+            prompts,
+            answers,
+            sampler,
+            state,
+            generation,
+            device: device.clone(),
+            setup,
+        })
+    }
+
+    /// [`new`](Self::new), then the adapter, norms, optimizer state and counters of a
+    /// checkpoint (a checkpoint directory or a run directory with a `latest` file).
+    pub fn resume(setup: TrainSetup, dir: &Path, device: &B::Device) -> Result<Self> {
+        let dir = checkpoint::resolve_checkpoint(dir)?;
+        let state = TrainerState::read(&dir)?;
+        let mut t = Self::new(setup, device)?;
+        let lora = peft::read_safetensors(&dir.join(qerl_model::ADAPTER_WEIGHTS))?;
+        let norms = state
+            .trained_norms
+            .then(|| peft::read_safetensors(&dir.join(NORMS_FILE)))
+            .transpose()?;
+        peft::load_trained(t.model_mut(), &lora, norms.as_ref(), &state.param_ids)?;
+        let record = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+            .load(dir.join(OPTIMIZER_FILE), device)
+            .with_context(|| format!("cannot read the optimizer state in `{}`", dir.display()))?;
+        t.optim = t.optim.load_record(record);
+        if state.prompts_consumed > 0 {
+            t.sampler.next_batch(state.prompts_consumed);
+        }
+        t.state = state;
+        Ok(t)
+    }
+
+    pub fn model(&self) -> &CausalLm<B> {
+        self.model.as_ref().expect("the model is present between steps")
+    }
+
+    pub fn model_mut(&mut self) -> &mut CausalLm<B> {
+        self.model.as_mut().expect("the model is present between steps")
+    }
+
+    pub fn config(&self) -> &TrainConfig {
+        &self.setup.config
+    }
+
+    /// The AQN sigma of the current step and its noise vectors.
+    fn noise(&self) -> (f32, Option<Vec<Vec<f32>>>) {
+        let c = &self.setup.config;
+        let sigma = c.aqn.schedule().sigma(self.state.step, c.train.steps);
+        let m = self.model().config();
+        let noise = step_noise(self.state.seed, self.state.step, 2 * m.num_hidden_layers + 1, m.hidden_size, sigma);
+        (sigma, noise)
+    }
+
+    /// One rollout batch and its `mu` updates; returns the step's metrics.
+    pub fn train_step(&mut self) -> Result<StepMetrics> {
+        let start = Instant::now();
+        let c = self.setup.config.clone();
+        let step = self.state.step;
+        let g = c.rollout.group_size;
+        let (sigma, noise) = self.noise();
+        // Rollouts on the graph-free view of the model, with this step's noise.
+        let mut inner = self.model().valid();
+        set_noise(&mut inner, noise.as_deref());
+        let dynamic = c.loss.dynamic_sampling();
+        let rounds = if dynamic { c.loss.max_sampling_rounds.max(1) } else { 1 };
+        let max_len = c.rollout.max_completion_tokens;
+        let overlong = c.loss.overlong_buffer(max_len);
+        let mut dyn_batch = DynamicBatch::<Group>::new(g, c.rollout.batch_prompts);
+        let (mut kept, mut parts) = (Vec::new(), Vec::new());
+        let (mut lengths, mut truncated, mut zero_std) = (Vec::new(), Vec::new(), 0.0);
+        let mut rollout_time = 0.0f64;
+        for round in 0..rounds {
+            let idx = self.sampler.next_batch(c.rollout.batch_prompts);
+            self.state.prompts_consumed += idx.len();
+            let prompts: Vec<(usize, Vec<u32>)> = idx.iter().map(|&i| (i, self.prompts[i].clone())).collect();
+            let gen = GenerationConfig {
+                seed: mix(self.state.seed, step, 0x5A3 + round as u64),
+                ..self.generation.clone()
+            };
+            let t = Instant::now();
+            let mut groups = sample_groups(&inner, &prompts, g, &gen, &self.setup.tokenizer)?;
+            rollout_time += t.elapsed().as_secs_f64();
+            parts.push(score_groups(&mut groups, &self.answers, &self.setup.rewards, max_len, overlong));
+            for grp in &groups {
+                lengths.extend(grp.completions.iter().map(|c| c.tokens.len()));
+                truncated.extend(grp.truncated());
+            }
+            if round == 0 {
+                let all: Vec<f32> = groups.iter().flat_map(|x| x.rewards.clone()).collect();
+                zero_std = zero_std_fraction(&all, g)?;
+            }
+            if dynamic {
+                dyn_batch.offer_round(groups.into_iter().map(|x| {
+                    let r = x.rewards.clone();
+                    (x, r)
+                }));
+                if dyn_batch.is_full() {
+                    break;
+                }
+            } else {
+                kept = groups;
+            }
+        }
+        let (mut groups_dropped, mut sampling_rounds) = (0, 1);
+        if dynamic {
+            let (groups, stats) = dyn_batch.take();
+            kept = groups.into_iter().map(|(x, _)| x).collect();
+            groups_dropped = stats.dropped_flat;
+            sampling_rounds = stats.rounds;
+        }
+        drop(inner);
+
+        // The update.
+        let lr = c.lr_schedule().lr(step);
+        let mut stats = UpdateStats::default();
+        if !kept.is_empty() {
+            let rewards: Vec<f32> = kept.iter().flat_map(|x| x.rewards.clone()).collect();
+            let adv = group_advantages(&rewards, g, c.loss.advantage_kind())?;
+            let (mut prompts, mut comps, mut masked) = (Vec::new(), Vec::new(), Vec::new());
+            for grp in &kept {
+                for (comp, cut) in grp.completions.iter().zip(grp.truncated()) {
+                    prompts.push(grp.prompt.as_slice());
+                    comps.push((comp.tokens.as_slice(), comp.logprobs.as_slice()));
+                    masked.push(cut && c.loss.mask_truncated() || comp.tokens.is_empty());
+                }
+            }
+            let batch = TrainBatch::new(&prompts, &comps, adv, &masked, self.generation.pad_token_id)?;
+            let train_noise = if c.aqn.rollouts_only { None } else { noise.as_deref() };
+            let mut model = self.model.take().expect("model");
+            set_noise(&mut model, train_noise);
+            let loss_cfg = c.loss.policy_loss(max_len);
+            let cfg = UpdateConfig {
+                loss: &loss_cfg,
+                mu: c.loss.mu.max(1),
+                grad_accum: c.optim.grad_accum.max(1),
+                grad_clip: c.optim.grad_clip,
+                temperature: c.rollout.temperature,
+                tis_cap: c.loss.tis_cap,
+                lr,
+                train_noise,
+            };
+            let result = update(model, &mut self.optim, &batch, &cfg, &mut stats);
+            let mut model = result?;
+            set_noise(&mut model, None);
+            self.model = Some(model);
+        }
+        self.state.step += 1;
+
+        let mut m = StepMetrics {
+            step,
+            entropy: stats.entropy,
+            kl: stats.kl,
+            clip_frac_low: stats.clip_frac_low,
+            clip_frac_high: stats.clip_frac_high,
+            loss: stats.loss,
+            grad_norm: stats.grad_norm,
+            lr,
+            zero_std_frac: zero_std,
+            groups_dropped,
+            sampling_rounds,
+            sigma,
+            rollout_time_s: rollout_time as f32,
+            ..StepMetrics::default()
+        };
+        m.set_rewards(&merge_scores(parts));
+        m.set_lengths(&lengths, &truncated);
+        m.rollout_tokens_per_s = lengths.iter().sum::<usize>() as f32 / rollout_time.max(1e-9) as f32;
+        m.step_time_s = start.elapsed().as_secs_f32();
+        Ok(m)
+    }
+
+    /// Writes `output_dir/checkpoint-<step>` atomically; returns its path.
+    pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        let c = self.setup.config.clone();
+        let meta = AdapterMeta {
+            rank: c.lora.rank,
+            alpha: c.lora.alpha,
+            targets: c.lora.targets.clone(),
+            base_model: c.model.dir.display().to_string(),
+        };
+        let name = checkpoint::checkpoint_name(self.state.step);
+        let record = self.optim.to_record();
+        let model = self.model.as_mut().expect("model");
+        let mut state = self.state.clone();
+        state.param_ids = peft::param_ids(model);
+        checkpoint::write_atomically(&c.train.output_dir, &name, |dir| {
+            peft::write_adapter(model, &meta, dir)?;
+            if state.trained_norms {
+                peft::write_norms(model, dir)?;
+            }
+            NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+                .record(record, dir.join(OPTIMIZER_FILE))
+                .context("cannot write the optimizer state")?;
+            state.write(dir)?;
+            std::fs::write(dir.join(CONFIG_FILE), c.to_toml())?;
+            Ok(())
+        })
+    }
+}
