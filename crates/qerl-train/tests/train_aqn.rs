@@ -14,7 +14,10 @@ fn logits<B: QerlBackend>(m: &CausalLm<B>) -> Vec<f32> {
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -42,7 +45,10 @@ fn noise_reaches_the_logits() {
     set_noise(&mut m, Some(&noise));
     let d_train = max_diff(&logits(&m), &clean);
     assert!(d_train > 1e-4);
-    assert!(max_diff(&logits(&m), &logits(&inner)) < 1e-5, "same noise, same logits");
+    assert!(
+        max_diff(&logits(&m), &logits(&inner)) < 1e-5,
+        "same noise, same logits"
+    );
     // only the final norm noisy still changes the logits; a fresh step gives fresh noise
     let other = step_noise(7, 4, 2 * layers + 1, hidden, 0.05).unwrap();
     assert_ne!(other, noise);

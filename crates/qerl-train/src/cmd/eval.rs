@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use qerl_model::config::eos_token_ids;
-use qerl_model::{generate, ChatTemplate, GenerationConfig, GenerationDefaults, QerlBackend, SamplingParams};
+use qerl_model::{ChatTemplate, GenerationConfig, GenerationDefaults, QerlBackend, SamplingParams};
 use qerl_rl::data::{load_jsonl, resolve_dataset, DatasetKind, FieldSpec, Split};
 use qerl_rl::eval::{judge, PassAtOne};
 use qerl_rl::prompt::PromptTemplate;
@@ -55,7 +55,18 @@ pub fn run(args: Args) -> Result<()> {
 
 fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
     let (kind, file, spec) = resolve_dataset(&args.dataset, Split::Test, &FieldSpec::math500())
-        .or_else(|_| resolve_dataset(&args.dataset, Split::Test, &FieldSpec { question: "question".into(), answer: "answer".into(), answer_format: qerl_rl::data::AnswerFormat::Plain, id: None }))?;
+        .or_else(|_| {
+            resolve_dataset(
+                &args.dataset,
+                Split::Test,
+                &FieldSpec {
+                    question: "question".into(),
+                    answer: "answer".into(),
+                    answer_format: qerl_rl::data::AnswerFormat::Plain,
+                    id: None,
+                },
+            )
+        })?;
     let mut examples = load_jsonl(&file, &spec)?;
     if args.limit > 0 {
         examples.truncate(args.limit);
@@ -68,21 +79,35 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
         DatasetKind::Gsm8k => PromptTemplate::think_answer(),
         _ => PromptTemplate::boxed(),
     };
-    let chat = (!args.no_chat).then(|| ChatTemplate::for_model(dir)).transpose()?;
+    let chat = (!args.no_chat)
+        .then(|| ChatTemplate::for_model(dir))
+        .transpose()?;
     let questions: Vec<String> = examples.iter().map(|e| e.question.clone()).collect();
-    let prompts = qerl_train::rollout::encode_prompts(&questions, &template, chat.as_ref(), tok, 0)?;
+    let prompts =
+        qerl_train::rollout::encode_prompts(&questions, &template, chat.as_ref(), tok, 0)?;
     let defaults = GenerationDefaults::from_dir(dir)?;
     let base = GenerationConfig {
         max_new_tokens: args.max_new_tokens,
-        sampling: SamplingParams { temperature: args.temperature, top_p: args.top_p, top_k: 0 },
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: 0,
+        },
         seed: args.seed,
         eos_token_ids: eos_token_ids(model.config(), &defaults),
         stop_strings: Vec::new(),
-        pad_token_id: defaults.pad_token_id.or(model.config().pad_token_id).unwrap_or(0),
+        pad_token_id: defaults
+            .pad_token_id
+            .or(model.config().pad_token_id)
+            .unwrap_or(0),
     };
-    let out_path = args.output.clone().unwrap_or_else(|| PathBuf::from(format!("eval-{}.jsonl", kind_name(kind))));
+    let out_path = args
+        .output
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("eval-{}.jsonl", kind_name(kind))));
     let mut out = std::io::BufWriter::new(
-        std::fs::File::create(&out_path).with_context(|| format!("cannot create `{}`", out_path.display()))?,
+        std::fs::File::create(&out_path)
+            .with_context(|| format!("cannot create `{}`", out_path.display()))?,
     );
     let k = args.samples.max(1);
     let mut tally = PassAtOne::default();
@@ -90,13 +115,21 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
     let mut tokens = 0usize;
     let idx: Vec<usize> = (0..examples.len()).collect();
     for (chunk_no, chunk) in idx.chunks(args.batch.max(1)).enumerate() {
-        let batch: Vec<(usize, Vec<u32>)> = chunk.iter().map(|&i| (i, prompts[i].clone())).collect();
-        let gen = GenerationConfig { seed: args.seed.wrapping_add(chunk_no as u64 * 1_000_003), ..base.clone() };
+        let batch: Vec<(usize, Vec<u32>)> =
+            chunk.iter().map(|&i| (i, prompts[i].clone())).collect();
+        let gen = GenerationConfig {
+            seed: args.seed.wrapping_add(chunk_no as u64 * 1_000_003),
+            ..base.clone()
+        };
         let groups = qerl_train::rollout::sample_groups(model, &batch, k, &gen, tok)?;
         for g in groups {
             let e = &examples[g.example];
             let verdicts: Vec<_> = g.texts.iter().map(|t| judge(kind, t, &e.answer)).collect();
-            for (s, (v, (text, c))) in verdicts.iter().zip(g.texts.iter().zip(&g.completions)).enumerate() {
+            for (s, (v, (text, c))) in verdicts
+                .iter()
+                .zip(g.texts.iter().zip(&g.completions))
+                .enumerate()
+            {
                 tokens += c.tokens.len();
                 let line = json!({
                     "id": e.id, "question": e.question, "answer": e.answer, "sample": s,
@@ -119,13 +152,19 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
         "| {} | {} | {} | {} | {k} | {:.2}% | {:.2}% | {:.2}% |",
         args.dataset,
         dir.display(),
-        args.model.adapter.as_ref().map_or("-".into(), |a| a.display().to_string()),
+        args.model
+            .adapter
+            .as_ref()
+            .map_or("-".into(), |a| a.display().to_string()),
         tally.questions,
         100.0 * tally.strict(),
         100.0 * tally.flexible(),
         100.0 * tally.pass_at_k_strict()
     );
-    eprintln!("{tokens} tokens in {secs:.1}s; per-sample output: {}", out_path.display());
+    eprintln!(
+        "{tokens} tokens in {secs:.1}s; per-sample output: {}",
+        out_path.display()
+    );
     Ok(())
 }
 

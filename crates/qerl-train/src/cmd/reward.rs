@@ -39,7 +39,8 @@ pub fn run(args: Args) -> Result<()> {
         .clone()
         .unwrap_or_else(|| args.completions.with_extension("rewards.jsonl"));
     let mut out = std::io::BufWriter::new(std::fs::File::create(&out_path)?);
-    let (mut n, mut total, mut correct, mut strict, mut flexible, mut failures) = (0usize, 0f64, 0usize, 0usize, 0usize, 0usize);
+    let (mut n, mut total, mut correct, mut strict, mut flexible, mut failures) =
+        (0usize, 0f64, 0usize, 0usize, 0usize, 0usize);
     for (i, line) in std::io::BufReader::new(input).lines().enumerate() {
         let line = line?;
         if line.trim().is_empty() {
@@ -47,28 +48,65 @@ pub fn run(args: Args) -> Result<()> {
         }
         let v: Value = serde_json::from_str(&line)
             .with_context(|| format!("{}:{}: not JSON", args.completions.display(), i + 1))?;
-        let text = v.get("completion").or_else(|| v.get("text")).and_then(Value::as_str)
-            .with_context(|| format!("{}:{}: no `completion` or `text`", args.completions.display(), i + 1))?;
-        let id = v.get("id").map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_string));
+        let text = v
+            .get("completion")
+            .or_else(|| v.get("text"))
+            .and_then(Value::as_str)
+            .with_context(|| {
+                format!(
+                    "{}:{}: no `completion` or `text`",
+                    args.completions.display(),
+                    i + 1
+                )
+            })?;
+        let id = v
+            .get("id")
+            .map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_string));
         let answer = match v.get("answer").and_then(Value::as_str) {
             Some(a) => a.to_string(),
             None => {
                 let map = match &mut by_id {
                     Some(m) => m,
-                    None => by_id.insert(load_jsonl(&file, &spec)?.into_iter().map(|e| (e.id, e.answer)).collect()),
+                    None => by_id.insert(
+                        load_jsonl(&file, &spec)?
+                            .into_iter()
+                            .map(|e| (e.id, e.answer))
+                            .collect(),
+                    ),
                 };
-                let id = id.clone().with_context(|| format!("{}:{}: no `answer` and no `id`", args.completions.display(), i + 1))?;
-                map.get(&id).cloned().with_context(|| format!("id {id} is not in `{}`", file.display()))?
+                let id = id.clone().with_context(|| {
+                    format!(
+                        "{}:{}: no `answer` and no `id`",
+                        args.completions.display(),
+                        i + 1
+                    )
+                })?;
+                map.get(&id)
+                    .cloned()
+                    .with_context(|| format!("id {id} is not in `{}`", file.display()))?
             }
         };
         let s = rewards.score(text, &answer);
         let verdict = judge(kind, text, &answer);
-        let per: serde_json::Map<String, Value> = rewards.names().into_iter().zip(&s.per_reward).map(|(k, v)| (k, json!(v))).collect();
-        let fails: Vec<Value> = s.failures.iter().map(|(r, m)| json!({"reward": r, "message": m})).collect();
-        writeln!(out, "{}", json!({
-            "line": i + 1, "id": id, "reward": s.total, "rewards": per, "correct": s.correct,
-            "strict": verdict.strict, "flexible": verdict.flexible, "failures": fails,
-        }))?;
+        let per: serde_json::Map<String, Value> = rewards
+            .names()
+            .into_iter()
+            .zip(&s.per_reward)
+            .map(|(k, v)| (k, json!(v)))
+            .collect();
+        let fails: Vec<Value> = s
+            .failures
+            .iter()
+            .map(|(r, m)| json!({"reward": r, "message": m}))
+            .collect();
+        writeln!(
+            out,
+            "{}",
+            json!({
+                "line": i + 1, "id": id, "reward": s.total, "rewards": per, "correct": s.correct,
+                "strict": verdict.strict, "flexible": verdict.flexible, "failures": fails,
+            })
+        )?;
         n += 1;
         total += s.total as f64;
         correct += (s.correct == Some(true)) as usize;
@@ -80,7 +118,13 @@ pub fn run(args: Args) -> Result<()> {
     let d = n.max(1) as f64;
     println!("| completions | mean reward | accuracy | strict | flexible | reward failures |");
     println!("| --- | --- | --- | --- | --- | --- |");
-    println!("| {n} | {:.4} | {:.2}% | {:.2}% | {:.2}% | {failures} |", total / d, 100.0 * correct as f64 / d, 100.0 * strict as f64 / d, 100.0 * flexible as f64 / d);
+    println!(
+        "| {n} | {:.4} | {:.2}% | {:.2}% | {:.2}% | {failures} |",
+        total / d,
+        100.0 * correct as f64 / d,
+        100.0 * strict as f64 / d,
+        100.0 * flexible as f64 / d
+    );
     eprintln!("rewards: {}", out_path.display());
     Ok(())
 }

@@ -75,17 +75,27 @@ pub fn run(args: Args) -> Result<()> {
     };
     eprintln!("training on {device:?}");
     match device {
-        TrainDevice::Cpu => go::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(setup, resume, &options),
+        TrainDevice::Cpu => {
+            go::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(setup, resume, &options)
+        }
         #[cfg(feature = "wgpu")]
-        TrainDevice::Wgpu => go::<burn::backend::Autodiff<qerl_nn::backends::Wgpu>>(setup, resume, &options),
+        TrainDevice::Wgpu => {
+            go::<burn::backend::Autodiff<qerl_nn::backends::Wgpu>>(setup, resume, &options)
+        }
         #[cfg(feature = "cuda")]
-        TrainDevice::Cuda => go::<burn::backend::Autodiff<qerl_nn::backends::Cuda>>(setup, resume, &options),
+        TrainDevice::Cuda => {
+            go::<burn::backend::Autodiff<qerl_nn::backends::Cuda>>(setup, resume, &options)
+        }
         #[allow(unreachable_patterns)]
         other => anyhow::bail!("this build of qerl has no {other:?} support (see --features)"),
     }
 }
 
-fn go<B: TrainBackend>(setup: TrainSetup, resume: Option<PathBuf>, options: &RunOptions) -> Result<()> {
+fn go<B: TrainBackend>(
+    setup: TrainSetup,
+    resume: Option<PathBuf>,
+    options: &RunOptions,
+) -> Result<()> {
     let device = B::Device::default();
     let mut trainer = match &resume {
         Some(dir) => {
@@ -109,9 +119,16 @@ fn go<B: TrainBackend>(setup: TrainSetup, resume: Option<PathBuf>, options: &Run
     if let Some(c) = &out.checkpoint {
         eprintln!("checkpoint: {}", c.display());
     }
-    eprintln!("metrics: {} (plot: {})", out.metrics_path.display(), out.plot_path.display());
+    eprintln!(
+        "metrics: {} (plot: {})",
+        out.metrics_path.display(),
+        out.plot_path.display()
+    );
     if out.interrupted {
-        eprintln!("interrupted: resume with `qerl train --resume {}`", trainer.config().train.output_dir.display());
+        eprintln!(
+            "interrupted: resume with `qerl train --resume {}`",
+            trainer.config().train.output_dir.display()
+        );
     }
     Ok(())
 }

@@ -41,8 +41,12 @@ pub struct TrainerState {
 impl TrainerState {
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join(STATE_FILE);
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("`{}` is not a checkpoint: cannot read {STATE_FILE}", dir.display()))?;
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "`{}` is not a checkpoint: cannot read {STATE_FILE}",
+                dir.display()
+            )
+        })?;
         serde_json::from_str(&text).with_context(|| format!("cannot parse `{}`", path.display()))
     }
 
@@ -60,8 +64,13 @@ pub fn checkpoint_name(step: usize) -> String {
 
 /// Writes a checkpoint as `parent/name`: `fill` writes the files into a temporary directory
 /// next to it, which then replaces any previous `parent/name` in one rename.
-pub fn write_atomically(parent: &Path, name: &str, fill: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create `{}`", parent.display()))?;
+pub fn write_atomically(
+    parent: &Path,
+    name: &str,
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("cannot create `{}`", parent.display()))?;
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
@@ -78,7 +87,8 @@ pub fn write_atomically(parent: &Path, name: &str, fill: impl FnOnce(&Path) -> R
         std::fs::rename(&tmp, &dest)?;
         std::fs::remove_dir_all(&old)?;
     } else {
-        std::fs::rename(&tmp, &dest).with_context(|| format!("cannot move the checkpoint to `{}`", dest.display()))?;
+        std::fs::rename(&tmp, &dest)
+            .with_context(|| format!("cannot move the checkpoint to `{}`", dest.display()))?;
     }
     // `latest` names the newest checkpoint (for `--resume RUN_DIR`).
     let latest = parent.join("latest");
@@ -96,9 +106,17 @@ pub fn resolve_checkpoint(dir: &Path) -> Result<PathBuf> {
     }
     let latest = dir.join("latest");
     let name = std::fs::read_to_string(&latest).with_context(|| {
-        format!("`{}` is neither a checkpoint nor a run directory with a `latest` file", dir.display())
+        format!(
+            "`{}` is neither a checkpoint nor a run directory with a `latest` file",
+            dir.display()
+        )
     })?;
     let ckpt = dir.join(name.trim());
-    anyhow::ensure!(ckpt.join(STATE_FILE).is_file(), "`{}` (from `{}`) is not a checkpoint", ckpt.display(), latest.display());
+    anyhow::ensure!(
+        ckpt.join(STATE_FILE).is_file(),
+        "`{}` (from `{}`) is not a checkpoint",
+        ckpt.display(),
+        latest.display()
+    );
     Ok(ckpt)
 }

@@ -7,7 +7,13 @@ use qerl_model::{CausalLm, QerlBackend};
 
 /// The noise vectors of rollout step `step` (one per norm, in [`CausalLm::norms_mut`] order);
 /// `None` when `sigma` is 0 (no noise at all, not a zero vector).
-pub fn step_noise(seed: u64, step: usize, norms: usize, dim: usize, sigma: f32) -> Option<Vec<Vec<f32>>> {
+pub fn step_noise(
+    seed: u64,
+    step: usize,
+    norms: usize,
+    dim: usize,
+    sigma: f32,
+) -> Option<Vec<Vec<f32>>> {
     (sigma > 0.0).then(|| {
         (0..norms)
             .map(|k| qerl_rl::aqn::noise_vector(seed, step, k, dim, sigma))

@@ -87,7 +87,9 @@ impl View for &HostTensor {
 
 /// The LoRA matrices under PEFT's names (`base_model.model.<module>.lora_A.weight`, `lora_B`),
 /// with their parameter ids.
-pub fn lora_tensors<B: QerlBackend>(model: &CausalLm<B>) -> BTreeMap<String, (HostTensor, ParamId)> {
+pub fn lora_tensors<B: QerlBackend>(
+    model: &CausalLm<B>,
+) -> BTreeMap<String, (HostTensor, ParamId)> {
     let mut out = BTreeMap::new();
     for (name, lin) in linears(model) {
         if let Some(l) = lin.lora() {
@@ -105,7 +107,9 @@ pub fn lora_tensors<B: QerlBackend>(model: &CausalLm<B>) -> BTreeMap<String, (Ho
 }
 
 /// The RMSNorm weights by checkpoint name, with their parameter ids.
-pub fn norm_tensors<B: QerlBackend>(model: &mut CausalLm<B>) -> BTreeMap<String, (HostTensor, ParamId)> {
+pub fn norm_tensors<B: QerlBackend>(
+    model: &mut CausalLm<B>,
+) -> BTreeMap<String, (HostTensor, ParamId)> {
     let names = norm_names(model.layers.len());
     model
         .norms_mut()
@@ -116,7 +120,8 @@ pub fn norm_tensors<B: QerlBackend>(model: &mut CausalLm<B>) -> BTreeMap<String,
 }
 
 fn write_safetensors(path: &Path, tensors: &BTreeMap<String, (HostTensor, ParamId)>) -> Result<()> {
-    let views: Vec<(&str, &HostTensor)> = tensors.iter().map(|(k, (t, _))| (k.as_str(), t)).collect();
+    let views: Vec<(&str, &HostTensor)> =
+        tensors.iter().map(|(k, (t, _))| (k.as_str(), t)).collect();
     safetensors::serialize_to_file(views, None, path)
         .with_context(|| format!("cannot write `{}`", path.display()))
 }
@@ -128,13 +133,23 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
         .with_context(|| format!("`{}` is not a safetensors file", path.display()))?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
-        anyhow::ensure!(view.dtype() == Dtype::F32, "`{}`: {name} is not F32", path.display());
+        anyhow::ensure!(
+            view.dtype() == Dtype::F32,
+            "`{}`: {name} is not F32",
+            path.display()
+        );
         let values = view
             .data()
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
-        out.insert(name, HostTensor { shape: view.shape().to_vec(), values });
+        out.insert(
+            name,
+            HostTensor {
+                shape: view.shape().to_vec(),
+                values,
+            },
+        );
     }
     Ok(out)
 }
@@ -149,7 +164,11 @@ pub struct AdapterMeta {
 }
 
 /// Writes `adapter_model.safetensors` + `adapter_config.json` (PEFT's LoRA format) into `dir`.
-pub fn write_adapter<B: QerlBackend>(model: &CausalLm<B>, meta: &AdapterMeta, dir: &Path) -> Result<()> {
+pub fn write_adapter<B: QerlBackend>(
+    model: &CausalLm<B>,
+    meta: &AdapterMeta,
+    dir: &Path,
+) -> Result<()> {
     write_safetensors(&dir.join(qerl_model::ADAPTER_WEIGHTS), &lora_tensors(model))?;
     let config = json!({
         "peft_type": "LORA",
@@ -178,9 +197,15 @@ pub fn write_norms<B: QerlBackend>(model: &mut CausalLm<B>, dir: &Path) -> Resul
 
 /// Parameter ids of the trained tensors by name (LoRA and norms), for the optimizer state.
 pub fn param_ids<B: QerlBackend>(model: &mut CausalLm<B>) -> BTreeMap<String, u64> {
-    let mut out: BTreeMap<String, u64> =
-        lora_tensors(model).into_iter().map(|(k, (_, id))| (k, id.val())).collect();
-    out.extend(norm_tensors(model).into_iter().map(|(k, (_, id))| (k, id.val())));
+    let mut out: BTreeMap<String, u64> = lora_tensors(model)
+        .into_iter()
+        .map(|(k, (_, id))| (k, id.val()))
+        .collect();
+    out.extend(
+        norm_tensors(model)
+            .into_iter()
+            .map(|(k, (_, id))| (k, id.val())),
+    );
     out
 }
 
@@ -215,15 +240,24 @@ pub fn load_trained<B: QerlBackend>(
         let Some(l) = lin.lora.as_mut() else { continue };
         for (which, slot) in [("A", &mut l.a), ("B", &mut l.b)] {
             let key = format!("{PEFT_PREFIX}{name}.lora_{which}.weight");
-            let t = lora.get(&key).with_context(|| format!("the adapter has no `{key}`"))?;
-            anyhow::ensure!(t.shape == slot.dims().to_vec(), "`{key}` has shape {:?}, expected {:?}", t.shape, slot.dims());
+            let t = lora
+                .get(&key)
+                .with_context(|| format!("the adapter has no `{key}`"))?;
+            anyhow::ensure!(
+                t.shape == slot.dims().to_vec(),
+                "`{key}` has shape {:?}, expected {:?}",
+                t.shape,
+                slot.dims()
+            );
             *slot = param::<B, 2>(t, ids.get(&key).copied(), true, &device);
         }
     }
     if let Some(norms) = norms {
         let names = norm_names(model.layers.len());
         for (n, name) in model.norms_mut().into_iter().zip(names) {
-            let t = norms.get(&name).with_context(|| format!("no norm `{name}`"))?;
+            let t = norms
+                .get(&name)
+                .with_context(|| format!("no norm `{name}`"))?;
             let trainable = n.weight.is_require_grad();
             n.weight = param::<B, 1>(t, ids.get(&name).copied(), trainable, &device);
         }

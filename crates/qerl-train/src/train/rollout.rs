@@ -109,7 +109,10 @@ pub fn score_groups(
     max_completion_tokens: usize,
     overlong_buffer: usize,
 ) -> BatchScores {
-    let texts: Vec<&str> = groups.iter().flat_map(|g| g.texts.iter().map(String::as_str)).collect();
+    let texts: Vec<&str> = groups
+        .iter()
+        .flat_map(|g| g.texts.iter().map(String::as_str))
+        .collect();
     let refs: Vec<&str> = groups
         .iter()
         .flat_map(|g| std::iter::repeat_n(answers[g.example].as_str(), g.texts.len()))

@@ -42,7 +42,10 @@ fn open_metrics(path: &std::path::Path, step: usize) -> Result<MetricsWriter> {
         let keep: Vec<StepMetrics> = if step == 0 {
             Vec::new()
         } else {
-            read_jsonl(path)?.into_iter().filter(|m| m.step < step).collect()
+            read_jsonl(path)?
+                .into_iter()
+                .filter(|m| m.step < step)
+                .collect()
         };
         std::fs::remove_file(path)?;
         let mut w = MetricsWriter::append(path)?;
@@ -112,11 +115,14 @@ pub fn run<B: TrainBackend>(trainer: &mut Trainer<B>, options: &RunOptions) -> R
             m.reward_mean, m.accuracy, m.loss, m.kl, m.grad_norm, m.completion_len_mean, m.sigma
         ));
         if m.reward_failures > 0 {
-            pb.println(format!("step {}: {} reward failures (scored 0)", m.step, m.reward_failures));
+            pb.println(format!(
+                "step {}: {} reward failures (scored 0)",
+                m.step, m.reward_failures
+            ));
         }
         outcome.metrics.push(m);
         let step = trainer.state.step;
-        if c.train.ckpt_interval > 0 && step % c.train.ckpt_interval == 0 {
+        if c.train.ckpt_interval > 0 && step.is_multiple_of(c.train.ckpt_interval) {
             outcome.checkpoint = Some(trainer.save_checkpoint()?);
             saved_at = Some(step);
         }

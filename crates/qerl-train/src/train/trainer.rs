@@ -94,7 +94,6 @@ pub struct Trainer<B: TrainBackend> {
     sampler: PromptSampler,
     pub state: TrainerState,
     generation: GenerationConfig,
-    device: B::Device,
 }
 
 impl<B: TrainBackend> Trainer<B> {
@@ -122,9 +121,17 @@ impl<B: TrainBackend> Trainer<B> {
             if let Some(l) = lin.lora() {
                 let ([r, d_in], [d_out, _]) = (l.a.dims(), l.b.dims());
                 let bound = 1.0 / (d_in as f32).sqrt();
-                let a = (0..r * d_in).map(|_| rng.random_range(-bound..bound)).collect();
-                let a = HostTensor { shape: vec![r, d_in], values: a };
-                let b = HostTensor { shape: vec![d_out, r], values: vec![0.0; d_out * r] };
+                let a = (0..r * d_in)
+                    .map(|_| rng.random_range(-bound..bound))
+                    .collect();
+                let a = HostTensor {
+                    shape: vec![r, d_in],
+                    values: a,
+                };
+                let b = HostTensor {
+                    shape: vec![d_out, r],
+                    values: vec![0.0; d_out * r],
+                };
                 init.insert(format!("{PEFT_PREFIX}{name}.lora_A.weight"), a);
                 init.insert(format!("{PEFT_PREFIX}{name}.lora_B.weight"), b);
             }
@@ -137,7 +144,10 @@ impl<B: TrainBackend> Trainer<B> {
             .with_epsilon(o.epsilon)
             .with_weight_decay(o.weight_decay)
             .init::<B, CausalLm<B>>();
-        let chat = setup.chat.then(|| ChatTemplate::for_model(dir)).transpose()?;
+        let chat = setup
+            .chat
+            .then(|| ChatTemplate::for_model(dir))
+            .transpose()?;
         let questions: Vec<String> = setup.examples.iter().map(|e| e.question.clone()).collect();
         let prompts = encode_prompts(
             &questions,
@@ -158,7 +168,10 @@ impl<B: TrainBackend> Trainer<B> {
             seed: 0,
             eos_token_ids: eos_token_ids(model.config(), &defaults),
             stop_strings: Vec::new(),
-            pad_token_id: defaults.pad_token_id.or(model.config().pad_token_id).unwrap_or(0),
+            pad_token_id: defaults
+                .pad_token_id
+                .or(model.config().pad_token_id)
+                .unwrap_or(0),
         };
         let sampler = PromptSampler::new(setup.examples.len(), c.data.shuffle, c.train.seed);
         let state = TrainerState {
@@ -176,7 +189,6 @@ impl<B: TrainBackend> Trainer<B> {
             sampler,
             state,
             generation,
-            device: device.clone(),
             setup,
         })
     }
@@ -205,11 +217,15 @@ impl<B: TrainBackend> Trainer<B> {
     }
 
     pub fn model(&self) -> &CausalLm<B> {
-        self.model.as_ref().expect("the model is present between steps")
+        self.model
+            .as_ref()
+            .expect("the model is present between steps")
     }
 
     pub fn model_mut(&mut self) -> &mut CausalLm<B> {
-        self.model.as_mut().expect("the model is present between steps")
+        self.model
+            .as_mut()
+            .expect("the model is present between steps")
     }
 
     pub fn config(&self) -> &TrainConfig {
@@ -221,7 +237,13 @@ impl<B: TrainBackend> Trainer<B> {
         let c = &self.setup.config;
         let sigma = c.aqn.schedule().sigma(self.state.step, c.train.steps);
         let m = self.model().config();
-        let noise = step_noise(self.state.seed, self.state.step, 2 * m.num_hidden_layers + 1, m.hidden_size, sigma);
+        let noise = step_noise(
+            self.state.seed,
+            self.state.step,
+            2 * m.num_hidden_layers + 1,
+            m.hidden_size,
+            sigma,
+        );
         (sigma, noise)
     }
 
@@ -236,7 +258,11 @@ impl<B: TrainBackend> Trainer<B> {
         let mut inner = self.model().valid();
         set_noise(&mut inner, noise.as_deref());
         let dynamic = c.loss.dynamic_sampling();
-        let rounds = if dynamic { c.loss.max_sampling_rounds.max(1) } else { 1 };
+        let rounds = if dynamic {
+            c.loss.max_sampling_rounds.max(1)
+        } else {
+            1
+        };
         let max_len = c.rollout.max_completion_tokens;
         let overlong = c.loss.overlong_buffer(max_len);
         let mut dyn_batch = DynamicBatch::<Group>::new(g, c.rollout.batch_prompts);
@@ -246,7 +272,8 @@ impl<B: TrainBackend> Trainer<B> {
         for round in 0..rounds {
             let idx = self.sampler.next_batch(c.rollout.batch_prompts);
             self.state.prompts_consumed += idx.len();
-            let prompts: Vec<(usize, Vec<u32>)> = idx.iter().map(|&i| (i, self.prompts[i].clone())).collect();
+            let prompts: Vec<(usize, Vec<u32>)> =
+                idx.iter().map(|&i| (i, self.prompts[i].clone())).collect();
             let gen = GenerationConfig {
                 seed: mix(self.state.seed, step, 0x5A3 + round as u64),
                 ..self.generation.clone()
@@ -254,7 +281,13 @@ impl<B: TrainBackend> Trainer<B> {
             let t = Instant::now();
             let mut groups = sample_groups(&inner, &prompts, g, &gen, &self.setup.tokenizer)?;
             rollout_time += t.elapsed().as_secs_f64();
-            parts.push(score_groups(&mut groups, &self.answers, &self.setup.rewards, max_len, overlong));
+            parts.push(score_groups(
+                &mut groups,
+                &self.answers,
+                &self.setup.rewards,
+                max_len,
+                overlong,
+            ));
             for grp in &groups {
                 lengths.extend(grp.completions.iter().map(|c| c.tokens.len()));
                 truncated.extend(grp.truncated());
@@ -298,8 +331,13 @@ impl<B: TrainBackend> Trainer<B> {
                     masked.push(cut && c.loss.mask_truncated() || comp.tokens.is_empty());
                 }
             }
-            let batch = TrainBatch::new(&prompts, &comps, adv, &masked, self.generation.pad_token_id)?;
-            let train_noise = if c.aqn.rollouts_only { None } else { noise.as_deref() };
+            let batch =
+                TrainBatch::new(&prompts, &comps, adv, &masked, self.generation.pad_token_id)?;
+            let train_noise = if c.aqn.rollouts_only {
+                None
+            } else {
+                noise.as_deref()
+            };
             let mut model = self.model.take().expect("model");
             set_noise(&mut model, train_noise);
             let loss_cfg = c.loss.policy_loss(max_len);
@@ -338,7 +376,8 @@ impl<B: TrainBackend> Trainer<B> {
         };
         m.set_rewards(&merge_scores(parts));
         m.set_lengths(&lengths, &truncated);
-        m.rollout_tokens_per_s = lengths.iter().sum::<usize>() as f32 / rollout_time.max(1e-9) as f32;
+        m.rollout_tokens_per_s =
+            lengths.iter().sum::<usize>() as f32 / rollout_time.max(1e-9) as f32;
         m.step_time_s = start.elapsed().as_secs_f32();
         Ok(m)
     }

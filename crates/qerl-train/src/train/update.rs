@@ -6,7 +6,6 @@ use anyhow::Result;
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use qerl_model::{CausalLm, QerlBackend, TokenBatch};
 use qerl_rl::logprob::{token_entropy, token_log_probs};
@@ -101,7 +100,10 @@ impl TrainBatch {
     pub fn split(&self, parts: usize) -> Vec<TrainBatch> {
         let n = self.rows();
         let per = n.div_ceil(parts.max(1)).max(1);
-        (0..n).step_by(per).map(|s| self.slice(s..(s + per).min(n))).collect()
+        (0..n)
+            .step_by(per)
+            .map(|s| self.slice(s..(s + per).min(n)))
+            .collect()
     }
 
     pub fn tokens_counted(&self) -> f32 {
@@ -113,7 +115,10 @@ impl TrainBatch {
     }
 
     fn targets<B: burn::tensor::backend::Backend>(&self, d: &B::Device) -> Tensor<B, 2, Int> {
-        Tensor::from_data(TensorData::new(self.targets.clone(), [self.rows(), self.width()]), d)
+        Tensor::from_data(
+            TensorData::new(self.targets.clone(), [self.rows(), self.width()]),
+            d,
+        )
     }
 }
 
@@ -132,7 +137,9 @@ fn log_probs<B: QerlBackend>(
         model.forward_base(&b.tokens)?
     };
     let [n, s, v] = logits.dims();
-    let logits = logits.slice([0..n, 0..s - 1, 0..v]).cast(burn::tensor::DType::F32);
+    let logits = logits
+        .slice([0..n, 0..s - 1, 0..v])
+        .cast(burn::tensor::DType::F32);
     let ent = entropy.then(|| token_entropy(logits.clone().detach(), temperature));
     let lp = token_log_probs(logits, b.targets::<B>(&model.device()), temperature);
     Ok((lp, ent))
@@ -241,10 +248,16 @@ where
             acc.accumulate(&model, grads);
         }
         let mut grads = acc.grads();
-        let norm = qerl_rl::optim_schedule::clip_grad_norm::<B, _>(&model, &mut grads, cfg.grad_clip);
+        let norm =
+            qerl_rl::optim_schedule::clip_grad_norm::<B, _>(&model, &mut grads, cfg.grad_clip);
         stats.grad_norm = norm;
         if pass == 0 {
-            (stats.loss, stats.clip_frac_low, stats.clip_frac_high, stats.kl) = (loss, low, high, kl);
+            (
+                stats.loss,
+                stats.clip_frac_low,
+                stats.clip_frac_high,
+                stats.kl,
+            ) = (loss, low, high, kl);
         } else {
             // the clip fractions of later passes are the ones where clipping acts
             stats.clip_frac_low = low;
