@@ -95,7 +95,8 @@ fn shapes(format: QuantFormat) -> Vec<(usize, usize)> {
     }
 }
 
-const MS: [usize; 4] = [1, 3, 17, 64];
+// 1, 3 and 8 take the decode kernel where warps exist; 17 and 64 the tiled one.
+const MS: [usize; 5] = [1, 3, 8, 17, 64];
 
 fn supported<R: Runtime, F: Float>(c: &ComputeClient<R>) -> bool {
     let ok = c.properties().supports_type(F::as_type_native_unchecked());
