@@ -262,3 +262,50 @@ fn unknown_precision_and_bad_shapes_are_named() {
         "{e}"
     );
 }
+
+/// On a half-precision backend (f16 on wgpu, as bf16 on CUDA) every tensor the modules create
+/// must carry the backend's float type, and the autodiff and plain forwards must agree.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_f16_autodiff_and_plain_forwards_agree() {
+    use burn::module::AutodiffModule;
+    type H = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, half::f16, i32, u32>;
+    type A = Autodiff<H>;
+    let device = Default::default();
+    let s = seed();
+    let (n, k) = (48, 80);
+    let w = normal(s, n * k, 0.05);
+    let layer = Nvfp4Linear::<A>::from_dense(
+        "t",
+        &w,
+        SourceDtype::F32,
+        n,
+        k,
+        Some(&normal(s + 1, n, 0.3)),
+        Precision::Nvfp4,
+        Some(LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+        }),
+        &device,
+    )
+    .unwrap();
+    let lora = layer.lora().unwrap();
+    for (name, dtype) in [("A", lora.a.val().dtype()), ("B", lora.b.val().dtype())] {
+        assert_eq!(dtype, burn::tensor::DType::F16, "LoRA {name} dtype");
+    }
+    let x = tensor::<A, 2>(normal(s + 2, 5 * k, 1.0), [5, k], &device);
+    let plain = layer.valid().forward(x.clone().inner());
+    let tracked = layer.forward(x).inner();
+    let e = rel_err(tracked, plain);
+    assert!(
+        e < 1e-3,
+        "autodiff vs plain forward, relative error {e:.2e}"
+    );
+    let norm = NoisyRmsNorm::<A>::new(tensor::<A, 1>(vec![1.0; k], [k], &device), 1e-6, true);
+    assert_eq!(
+        norm.weight.val().dtype(),
+        burn::tensor::DType::F16,
+        "norm weight dtype"
+    );
+}
