@@ -1,10 +1,35 @@
 //! Grouped-query self-attention with HF rotate-half RoPE and a preallocated KV cache.
 
 use burn::module::Module;
-use burn::tensor::{activation::softmax, DType, Tensor};
+use burn::tensor::backend::Backend;
+use burn::tensor::{activation::softmax, Bool, DType, Tensor, TensorData};
 use qerl_nn::{Nvfp4Linear, QerlBackend};
 
+use crate::batch::MASKED;
 use crate::rope::apply_rotary;
+
+/// The attention bias `[batch, 1, 1, seq, keys]` (f32) built on the device from the key mask
+/// (`[batch, keys]`, host): query `i` sits at column `offset + i` and sees key `j` when
+/// `j <= offset + i` and `key_mask[j]`; [`MASKED`] elsewhere. Only the key mask travels to the
+/// device. Equals [`crate::batch::attention_bias`].
+pub(crate) fn attention_bias<B: Backend>(
+    key_mask: &[bool],
+    batch: usize,
+    seq: usize,
+    keys: usize,
+    offset: usize,
+    device: &B::Device,
+) -> Tensor<B, 5> {
+    let shape = [batch, seq, keys];
+    let future = Tensor::<B, 2, Bool>::tril_mask([seq, keys], offset as i64, device);
+    let future = future.unsqueeze_dim::<3>(0).expand(shape);
+    let real =
+        Tensor::<B, 2, Bool>::from_data(TensorData::new(key_mask.to_vec(), [batch, keys]), device);
+    let padding = real.bool_not().unsqueeze_dim::<3>(1).expand(shape);
+    Tensor::<B, 3>::zeros(shape, (device, DType::F32))
+        .mask_fill(future.bool_or(padding), MASKED)
+        .reshape([batch, 1, 1, seq, keys])
+}
 
 /// What every layer of one forward pass shares: RoPE tables, the attention bias and whether the
 /// LoRA adapters are applied.
@@ -20,11 +45,13 @@ pub(crate) struct Step<B: QerlBackend> {
     pub lora: bool,
 }
 
-/// One layer's cached keys and values, `[batch, kv_heads, capacity, head_dim]` each.
+/// One layer's cached keys and values, `[batch, kv_heads, capacity, head_dim]` each (held in
+/// an `Option` only so that a step can move them out and write them in place).
 #[derive(Clone, Debug)]
 pub struct LayerCache<B: QerlBackend> {
-    pub(crate) k: Tensor<B, 4>,
-    pub(crate) v: Tensor<B, 4>,
+    k: Option<Tensor<B, 4>>,
+    v: Option<Tensor<B, 4>>,
+    capacity: usize,
 }
 
 impl<B: QerlBackend> LayerCache<B> {
@@ -37,13 +64,14 @@ impl<B: QerlBackend> LayerCache<B> {
     ) -> Self {
         let shape = [batch, kv_heads, capacity, head_dim];
         LayerCache {
-            k: Tensor::zeros(shape, device),
-            v: Tensor::zeros(shape, device),
+            k: Some(Tensor::zeros(shape, device)),
+            v: Some(Tensor::zeros(shape, device)),
+            capacity,
         }
     }
 
     pub(crate) fn capacity(&self) -> usize {
-        self.k.dims()[2]
+        self.capacity
     }
 }
 
@@ -105,9 +133,16 @@ impl<B: QerlBackend> Attention<B> {
                     c.capacity()
                 );
                 let cols = [0..b, 0..kv, step.offset..end, 0..d];
-                c.k = c.k.clone().slice_assign(cols.clone(), k);
-                c.v = c.v.clone().slice_assign(cols, v);
-                (c.k.clone(), c.v.clone())
+                // Moved out, so that `slice_assign` can write in place (a second reference to
+                // the cache would make it copy the whole tensor every step).
+                let k =
+                    c.k.take()
+                        .expect("cache keys")
+                        .slice_assign(cols.clone(), k);
+                let v = c.v.take().expect("cache values").slice_assign(cols, v);
+                c.k = Some(k.clone());
+                c.v = Some(v.clone());
+                (k, v)
             }
         };
         let keys = k.dims()[2];
@@ -128,5 +163,27 @@ impl<B: QerlBackend> Attention<B> {
             .swap_dims(1, 2)
             .reshape([b, s, h * d]);
         linear(&self.o_proj, out, step.lora)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    #[test]
+    fn device_bias_equals_host_bias() {
+        let dev = Default::default();
+        let mut rng = crate::sampling::Rng::new(3);
+        for (batch, seq, keys, offset) in [(2, 3, 3, 0), (3, 1, 8, 5), (2, 4, 10, 2), (1, 5, 5, 0)]
+        {
+            let mask: Vec<bool> = (0..batch * keys).map(|_| rng.next_open01() < 0.7).collect();
+            let host = crate::batch::attention_bias(&mask, batch, seq, keys, offset);
+            let device: Vec<f32> = attention_bias::<NdArray>(&mask, batch, seq, keys, offset, &dev)
+                .into_data()
+                .iter::<f32>()
+                .collect();
+            assert_eq!(device, host, "{batch} {seq} {keys} {offset}");
+        }
     }
 }

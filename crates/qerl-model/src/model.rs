@@ -3,11 +3,11 @@
 //! they differ only in which linears have biases (see [`ModelConfig::linears`]).
 
 use burn::module::{Module, Param};
-use burn::tensor::{activation::silu, DType, Int, Tensor, TensorData};
+use burn::tensor::{activation::silu, Int, Tensor, TensorData};
 use qerl_nn::{NoisyRmsNorm, Nvfp4Linear, QerlBackend};
 
-use crate::attention::{Attention, LayerCache, Step};
-use crate::batch::{attention_bias, TokenBatch};
+use crate::attention::{attention_bias, Attention, LayerCache, Step};
+use crate::batch::TokenBatch;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
@@ -203,11 +203,7 @@ impl<B: QerlBackend> CausalLm<B> {
     ) -> Step<B> {
         let device = self.device();
         let (cos, sin) = self.rope.tables(positions, batch, seq, &device);
-        let bias = attention_bias(key_mask, batch, seq, keys, offset);
-        let bias = Tensor::<B, 5>::from_data(
-            TensorData::new(bias, [batch, 1, 1, seq, keys]),
-            (&device, DType::F32),
-        );
+        let bias = attention_bias(key_mask, batch, seq, keys, offset, &device);
         Step {
             cos,
             sin,

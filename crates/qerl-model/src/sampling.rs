@@ -9,10 +9,12 @@
 //!    below `p` (transformers' `TopPLogitsWarper`; the most likely token is always kept). The
 //!    cut is found without sorting: a bisection on the threshold value, [`TOP_P_STEPS`] steps
 //!    over `[max - 64, max]`, each a masked sum over the vocabulary.
-//! 4. inverse-CDF sampling of `softmax(l)`: the first token whose cumulative probability
-//!    reaches `u · total`, with `u` in (0, 1) drawn on the host from a seeded [`Rng`] (one
-//!    number per sequence and step, so results depend only on the seed, not on the backend's
-//!    random state).
+//! 4. inverse-CDF sampling of `softmax(l)`: the token whose cumulative-probability interval
+//!    holds `u · total`, with `u` in (0, 1) drawn on the host from a seeded [`Rng`] (one number
+//!    per sequence and step, so results depend only on the seed, not on the backend's random
+//!    state). The search is two-level, over blocks of [`CDF_BLOCK`] tokens and then inside the
+//!    chosen block, because burn's cumulative sum on CubeCL backends costs `O(n²)` in the
+//!    length of the scanned dimension.
 //!
 //! The returned log-probability of a token is `log_softmax(logits / T)[token]` **before** the
 //! top-k/top-p truncation (at `T = 1` for greedy): the log-likelihood of the token under the
@@ -24,6 +26,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 
 use crate::error::{ModelError, Result};
+
+/// Tokens per block of the two-level inverse-CDF search.
+pub const CDF_BLOCK: usize = 256;
 
 /// Bisection steps of the top-p threshold search.
 pub const TOP_P_STEPS: usize = 40;
@@ -158,6 +163,43 @@ pub fn top_p_filter<B: Backend>(l: Tensor<B, 2>, p: f32) -> Tensor<B, 2> {
     l.mask_fill(outside, f32::NEG_INFINITY)
 }
 
+/// For each row of `probs [batch, vocab]` (non-negative, not all zero) and `u [batch, 1]` in
+/// (0, 1): the token `i` with `c[i-1] <= u · c[vocab-1] < c[i]`, `c` the cumulative sum (so a
+/// token of probability 0 is never chosen), `[batch, 1]`. Two levels: the block of
+/// [`CDF_BLOCK`] tokens, then the token inside it.
+pub fn inverse_cdf<B: Backend>(probs: Tensor<B, 2>, u: Tensor<B, 2>) -> Tensor<B, 2, Int> {
+    let [batch, vocab] = probs.dims();
+    let blocks = vocab.div_ceil(CDF_BLOCK);
+    let padded = blocks * CDF_BLOCK;
+    let probs = if padded > vocab {
+        let zeros = Tensor::<B, 2>::zeros([batch, padded - vocab], (&probs.device(), DType::F32));
+        Tensor::cat(vec![probs, zeros], 1)
+    } else {
+        probs
+    };
+    let per_block: Tensor<B, 3> = probs.reshape([batch, blocks, CDF_BLOCK]);
+    let mass = per_block.clone().sum_dim(2).reshape([batch, blocks]);
+    let cdf = mass.clone().cumsum(1);
+    let total = cdf.clone().slice([0..batch, blocks - 1..blocks]);
+    let target = u * total;
+    let block = count_at_or_below(cdf.clone(), target.clone()).clamp(0, blocks as i64 - 1);
+    let before = (cdf - mass).gather(1, block.clone());
+    let index = block
+        .clone()
+        .reshape([batch, 1, 1])
+        .expand([batch, 1, CDF_BLOCK]);
+    let inner: Tensor<B, 2> = per_block.gather(1, index).reshape([batch, CDF_BLOCK]);
+    let rest = (target - before).clamp_min(0.0);
+    let within = count_at_or_below(inner.cumsum(1), rest).clamp(0, CDF_BLOCK as i64 - 1);
+    (block.mul_scalar(CDF_BLOCK as i64) + within).clamp(0, vocab as i64 - 1)
+}
+
+/// Per row, how many entries of `cdf [batch, n]` are `<= x [batch, 1]`: `[batch, 1]`.
+fn count_at_or_below<B: Backend>(cdf: Tensor<B, 2>, x: Tensor<B, 2>) -> Tensor<B, 2, Int> {
+    let x = expand(x, &cdf);
+    cdf.lower_equal(x).int().sum_dim(1)
+}
+
 /// Samples one token per row of `logits [batch, vocab]`. `uniform` holds one number in (0, 1)
 /// per row (unused when greedy).
 pub fn sample<B: Backend>(
@@ -166,7 +208,7 @@ pub fn sample<B: Backend>(
     uniform: &[f32],
 ) -> Sampled<B> {
     let logits = logits.cast(DType::F32);
-    let [batch, vocab] = logits.dims();
+    let batch = logits.dims()[0];
     if params.is_greedy() {
         let ids = logits.clone().argmax(1);
         let logprobs = log_softmax(logits, 1).gather(1, ids.clone());
@@ -179,19 +221,13 @@ pub fn sample<B: Backend>(
     let l = logits.div_scalar(params.temperature);
     let full = log_softmax(l.clone(), 1);
     let filtered = top_p_filter(top_k_filter(l, params.top_k), params.top_p);
-    let cdf = softmax(filtered, 1).cumsum(1);
-    let total = cdf.clone().slice([0..batch, vocab - 1..vocab]);
-    let device = cdf.device();
+    let probs = softmax(filtered, 1);
+    let device = probs.device();
     let u = Tensor::<B, 2>::from_data(
         TensorData::new(uniform.to_vec(), [batch, 1]),
         (&device, DType::F32),
     );
-    let target = expand(u * total, &cdf);
-    let ids = cdf
-        .lower(target)
-        .int()
-        .sum_dim(1)
-        .clamp(0, vocab as i64 - 1);
+    let ids = inverse_cdf(probs, u);
     let logprobs = full.gather(1, ids.clone());
     Sampled {
         ids: ids.reshape([batch]),

@@ -174,7 +174,7 @@ impl ChatTemplate {
         // In the Jinja source the default reads `'<|im_start|>system\n<TEXT><|im_end|>\n'`,
         // with a literal backslash-n.
         let marker = format!("{IM_START}system\\n");
-        let default_system = template.find(&marker).and_then(|i| {
+        let default_system = template.match_indices(&marker).find_map(|(i, _)| {
             let rest = &template[i + marker.len()..];
             let text = &rest[..rest.find(IM_END)?];
             let literal = !text.is_empty() && !text.contains(['{', '}', '\'', '"', '\\']);

@@ -3,7 +3,9 @@
 
 use burn::backend::NdArray;
 use burn::tensor::{Tensor, TensorData};
-use qerl_model::sampling::{sample, top_k_filter, top_p_filter, Rng, SamplingParams};
+use qerl_model::sampling::{
+    inverse_cdf, sample, top_k_filter, top_p_filter, Rng, SamplingParams, CDF_BLOCK,
+};
 
 type B = NdArray<f32>;
 
@@ -224,4 +226,69 @@ fn invalid_parameters_are_rejected() {
         assert!(params.validate().is_err(), "{t} {p}");
     }
     assert!(SamplingParams::greedy().validate().is_ok());
+}
+
+/// The two-level inverse CDF over a vocabulary of several blocks (and a partial last one):
+/// each token is drawn with its probability, zero-probability tokens never.
+#[test]
+fn inverse_cdf_across_blocks() {
+    let vocab = 3 * CDF_BLOCK + 41;
+    let mut weights = vec![0f32; vocab];
+    // mass in the first, a middle and the partial last block, and on block edges
+    for (i, w) in [
+        (0usize, 1.0f32),
+        (CDF_BLOCK - 1, 2.0),
+        (CDF_BLOCK, 0.5),
+        (CDF_BLOCK + 7, 3.0),
+        (vocab - 1, 1.5),
+    ] {
+        weights[i] = w;
+    }
+    for (i, w) in weights
+        .iter_mut()
+        .enumerate()
+        .skip(2 * CDF_BLOCK)
+        .take(CDF_BLOCK)
+    {
+        *w = if i % 3 == 0 { 0.01 } else { 0.0 }; // many small ones
+    }
+    let total: f64 = weights.iter().map(|&w| w as f64).sum();
+    let rows = 500;
+    let rounds = 8;
+    let mut rng = Rng::new(42);
+    let mut counts = vec![0usize; vocab];
+    for _ in 0..rounds {
+        let batch: Vec<f32> = weights.iter().copied().cycle().take(rows * vocab).collect();
+        let u: Vec<f32> = (0..rows).map(|_| rng.next_open01()).collect();
+        let u = Tensor::<B, 2>::from_data(TensorData::new(u, [rows, 1]), &Default::default());
+        let ids = inverse_cdf(tensor(&batch, rows), u);
+        for id in ids.into_data().iter::<i64>() {
+            counts[id as usize] += 1;
+        }
+    }
+    let n = (rows * rounds) as f64;
+    for (i, &w) in weights.iter().enumerate() {
+        if w == 0.0 {
+            assert_eq!(counts[i], 0, "token {i} has probability 0");
+        } else if w >= 0.5 {
+            let p = w as f64 / total;
+            let freq = counts[i] as f64 / n;
+            assert!(
+                (freq - p).abs() < 5.0 * (p * (1.0 - p) / n).sqrt(),
+                "token {i}: {freq} vs {p}"
+            );
+        }
+    }
+    // exact quantiles: u just below and above a token's cumulative boundary
+    let cum_first = 1.0 / total as f32; // token 0 holds [0, 1/total)
+    let u = Tensor::<B, 2>::from_data(
+        TensorData::new(vec![cum_first * 0.999, cum_first * 1.001], [2, 1]),
+        &Default::default(),
+    );
+    let two: Vec<f32> = weights.iter().copied().cycle().take(2 * vocab).collect();
+    let ids: Vec<i64> = inverse_cdf(tensor(&two, 2), u)
+        .into_data()
+        .iter::<i64>()
+        .collect();
+    assert_eq!(ids, vec![0, CDF_BLOCK as i64 - 1]);
 }

@@ -215,6 +215,11 @@ fn prompt_ids(
     Ok(ids)
 }
 
+/// An f32 parameter as the decimal the user typed (0.8, not 0.800000011920929).
+fn short(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
 fn finish_json(f: &FinishReason) -> (&'static str, Value) {
     match f {
         FinishReason::Eos(t) => ("eos", json!(t)),
@@ -288,7 +293,12 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
             "model": dir.display().to_string(),
             "device": format!("{:?}", args.model.device).to_lowercase(),
             "precision": loaded.precision.to_string(),
-            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": config.seed},
+            "sampling": {
+                "temperature": short(s.temperature),
+                "top_p": short(s.top_p),
+                "top_k": s.top_k,
+                "seed": config.seed,
+            },
             "max_new_tokens": config.max_new_tokens,
             "completions": completions,
         });
