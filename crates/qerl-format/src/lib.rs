@@ -167,7 +167,7 @@ impl QuantizedWeight {
         // Code of flat element e: NVFP4/MXFP4 keep element 2j in the low nibble, NF4 in the high.
         let code = |packed: &[u8], e: usize, low_first: bool| -> u8 {
             let byte = packed[e / 2];
-            if (e % 2 == 0) == low_first {
+            if e.is_multiple_of(2) == low_first {
                 byte & 0x0f
             } else {
                 byte >> 4

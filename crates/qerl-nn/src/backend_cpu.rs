@@ -177,8 +177,7 @@ impl QerlBackend for Cpu {
         let gain = gain(host(w).0, z.map(|z| host(z).0));
         let mut dx = vec![0.0f32; rows * dim];
         let mut dw = vec![0.0f32; dim];
-        for r in 0..rows {
-            let inv = rstd[r];
+        for (r, &inv) in rstd.iter().enumerate().take(rows) {
             let base = r * dim;
             let mean_gx = (0..dim)
                 .map(|c| dy[base + c] * gain[c] * x[base + c] * inv)
