@@ -1,0 +1,91 @@
+//! Half-precision modules on wgpu (f16, as bf16 on CUDA), in a process of their own: burn's
+//! matmul autotune shares its cache between f16 and f32 backends on one device, and an f16-tuned
+//! choice served to the f32 tests of `modules.rs` costs them precision when both run together.
+
+use burn::backend::Autodiff;
+use burn::tensor::{Tensor, TensorData};
+use qerl_format::SourceDtype;
+use qerl_nn::{LoraConfig, NoisyRmsNorm, Nvfp4Linear, Precision};
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution as _, Normal};
+
+fn seed() -> u64 {
+    rand::rng().random()
+}
+
+fn normal(seed: u64, len: usize, std: f32) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let d = Normal::new(0.0f32, std).unwrap();
+    (0..len).map(|_| d.sample(&mut rng)).collect()
+}
+
+fn tensor<B: burn::tensor::backend::Backend, const D: usize>(
+    v: Vec<f32>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(v, shape), device)
+}
+
+fn rel_err<B: burn::tensor::backend::Backend, const D: usize>(
+    got: Tensor<B, D>,
+    want: Tensor<B, D>,
+) -> f64 {
+    let g = got.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+    let w = want.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+    assert!(g.iter().all(|v| v.is_finite()), "non-finite output");
+    let num: f64 = g
+        .iter()
+        .zip(&w)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = w.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+/// On a half-precision backend (f16 on wgpu, as bf16 on CUDA) every tensor the modules create
+/// must carry the backend's float type, and the autodiff and plain forwards must agree.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_f16_autodiff_and_plain_forwards_agree() {
+    use burn::module::AutodiffModule;
+    type H = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, half::f16, i32, u32>;
+    type A = Autodiff<H>;
+    let device = Default::default();
+    let s = seed();
+    let (n, k) = (48, 80);
+    let w = normal(s, n * k, 0.05);
+    let layer = Nvfp4Linear::<A>::from_dense(
+        "t",
+        &w,
+        SourceDtype::F32,
+        n,
+        k,
+        Some(&normal(s + 1, n, 0.3)),
+        Precision::Nvfp4,
+        Some(LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+        }),
+        &device,
+    )
+    .unwrap();
+    let lora = layer.lora().unwrap();
+    for (name, dtype) in [("A", lora.a.val().dtype()), ("B", lora.b.val().dtype())] {
+        assert_eq!(dtype, burn::tensor::DType::F16, "LoRA {name} dtype");
+    }
+    let x = tensor::<A, 2>(normal(s + 2, 5 * k, 1.0), [5, k], &device);
+    let plain = layer.valid().forward(x.clone().inner());
+    let tracked = layer.forward(x).inner();
+    let e = rel_err(tracked, plain);
+    assert!(
+        e < 1e-3,
+        "autodiff vs plain forward, relative error {e:.2e}"
+    );
+    let norm = NoisyRmsNorm::<A>::new(tensor::<A, 1>(vec![1.0; k], [k], &device), 1e-6, true);
+    assert_eq!(
+        norm.weight.val().dtype(),
+        burn::tensor::DType::F16,
+        "norm weight dtype"
+    );
+}
