@@ -1,0 +1,23 @@
+# A random checkpoint with Qwen2.5-0.5B's shapes, bf16, for timing qerl generate (not a test).
+import sys, time, torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+out = sys.argv[1]
+cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  bos_token_id=151643, eos_token_id=151645)
+torch.manual_seed(0)
+t = time.time()
+with torch.device("cuda"):
+    m = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+m.save_pretrained(out)
+print(f"random Qwen2.5-0.5B-shaped model in {out} ({time.time() - t:.1f}s)", flush=True)
+if len(sys.argv) > 2:
+    # transformers' own generate on the same GPU, same batch, for reference
+    tok_prompts = torch.randint(0, 151000, (8, 16), device="cuda")
+    for _ in range(2):
+        torch.cuda.synchronize(); t = time.time()
+        o = m.generate(tok_prompts, attention_mask=torch.ones_like(tok_prompts), max_new_tokens=128, min_new_tokens=128,
+                       do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
+        torch.cuda.synchronize(); dt = time.time() - t
+    print(f"transformers {__import__('transformers').__version__} generate bf16 sdpa, batch 8 x 128 new tokens: {dt:.2f}s, {8*128/dt:.0f} tokens/s", flush=True)
