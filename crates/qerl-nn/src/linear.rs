@@ -4,7 +4,7 @@ use std::any::Any;
 use std::sync::Arc;
 
 use burn::module::{Module, Param};
-use burn::tensor::{Distribution, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Distribution, Tensor, TensorData, TensorPrimitive};
 use qerl_format::{QuantizedWeight, SourceDtype};
 
 use crate::backend::{LoraPrims, QerlBackend, QuantWeight};
@@ -26,6 +26,11 @@ impl LoraConfig {
 
 /// A LoRA adapter: `ΔW = scale · B · A`, `A [rank, d_input]`, `B [d_output, rank]`
 /// (PEFT's `lora_A.weight` and `lora_B.weight`).
+///
+/// `A` and `B` are f32 on every backend (master weights): the forward casts them to the
+/// activations' type (bf16 on CUDA), and their gradients and the optimizer's moments stay f32.
+/// In bf16 an AdamW step smaller than 2⁻⁸ of a weight would round away, and in f16 the second
+/// moment of small gradients underflows to zero.
 #[derive(Module, Debug)]
 pub struct Lora<B: QerlBackend> {
     pub a: Param<Tensor<B, 2>>,
@@ -42,11 +47,11 @@ impl<B: QerlBackend> Lora<B> {
         let a = Tensor::random(
             [config.rank, d_input],
             Distribution::Uniform(-bound, bound),
-            device,
+            (device, DType::F32),
         );
         Lora {
             a: Param::from_tensor(a),
-            b: Param::from_tensor(Tensor::zeros([d_output, config.rank], device)),
+            b: Param::from_tensor(Tensor::zeros([d_output, config.rank], (device, DType::F32))),
             scale: config.scale(),
         }
     }
@@ -226,13 +231,14 @@ impl<B: QerlBackend> Nvfp4Linear<B> {
     }
 
     /// Replaces the adapter's weights (`a [rank, d_input]`, `b [d_output, rank]`), e.g. when
-    /// loading a PEFT adapter. Panics on mismatched shapes or a layer without LoRA.
+    /// loading a PEFT adapter (kept as f32, see [`Lora`]). Panics on mismatched shapes or a
+    /// layer without LoRA.
     pub fn set_lora_weights(&mut self, a: Tensor<B, 2>, b: Tensor<B, 2>) {
         let lora = self.lora.as_mut().expect("this layer has no LoRA adapter");
         assert_eq!(a.dims(), lora.a.dims(), "LoRA A shape");
         assert_eq!(b.dims(), lora.b.dims(), "LoRA B shape");
-        lora.a = Param::from_tensor(a);
-        lora.b = Param::from_tensor(b);
+        lora.a = Param::from_tensor(a.cast(DType::F32));
+        lora.b = Param::from_tensor(b.cast(DType::F32));
     }
 
     /// `[.., d_input] -> [.., d_output]`, adapter included.
@@ -254,13 +260,19 @@ impl<B: QerlBackend> Nvfp4Linear<B> {
         );
         let m = dims[..D - 1].iter().product::<usize>();
         let x2: Tensor<B, 2> = x.reshape([m, self.d_input]);
-        let lora = self.lora.as_ref().filter(|_| with_lora);
+        let dtype = x2.dtype();
+        // the f32 master weights in the activations' type
+        let lora = self
+            .lora
+            .as_ref()
+            .filter(|_| with_lora)
+            .map(|l| (l.a.val().cast(dtype), l.b.val().cast(dtype), l.scale));
         let y = match &self.quant {
             Some(q) => {
-                let lora = lora.map(|l| LoraPrims {
-                    a: l.a.val().into_primitive().tensor(),
-                    b: l.b.val().into_primitive().tensor(),
-                    scale: l.scale,
+                let lora = lora.map(|(a, b, scale)| LoraPrims {
+                    a: a.into_primitive().tensor(),
+                    b: b.into_primitive().tensor(),
+                    scale,
                 });
                 let bias = self
                     .bias
@@ -279,11 +291,9 @@ impl<B: QerlBackend> Nvfp4Linear<B> {
                 if let Some(b) = &self.bias {
                     y = y + b.val().unsqueeze_dim(0);
                 }
-                if let Some(l) = lora {
-                    let update = x2
-                        .matmul(l.a.val().transpose())
-                        .matmul(l.b.val().transpose());
-                    y = y + update.mul_scalar(l.scale);
+                if let Some((a, b, scale)) = lora {
+                    let update = x2.matmul(a.transpose()).matmul(b.transpose());
+                    y = y + update.mul_scalar(scale);
                 }
                 y
             }
@@ -312,7 +322,11 @@ impl<B: QerlBackend> Nvfp4Linear<B> {
             (None, None) => unreachable!("a layer always has a weight"),
         };
         match &self.lora {
-            Some(l) => w + l.b.val().matmul(l.a.val()).mul_scalar(l.scale),
+            Some(l) => {
+                let delta = l.b.val().matmul(l.a.val()).mul_scalar(l.scale);
+                let dtype = w.dtype();
+                (w.cast(DType::F32) + delta).cast(dtype)
+            }
             None => w,
         }
     }

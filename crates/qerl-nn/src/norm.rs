@@ -1,7 +1,7 @@
 //! [`NoisyRmsNorm`]: RMSNorm with a per-channel noise vector (AQN).
 
 use burn::module::{Module, Param};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorPrimitive};
 
 use crate::backend::QerlBackend;
 
@@ -22,8 +22,15 @@ pub struct NoisyRmsNorm<B: QerlBackend> {
 }
 
 impl<B: QerlBackend> NoisyRmsNorm<B> {
-    /// A norm with the given weight `[d]`; `trainable = false` freezes it.
+    /// A norm with the given weight `[d]`; `trainable = false` freezes it. A trainable weight
+    /// is kept in f32 (a master weight, as LoRA's: see [`crate::Lora`]) and cast to the
+    /// activations' type in the forward.
     pub fn new(weight: Tensor<B, 1>, eps: f64, trainable: bool) -> Self {
+        let weight = if trainable {
+            weight.cast(DType::F32)
+        } else {
+            weight
+        };
         NoisyRmsNorm {
             weight: Param::from_tensor(weight).set_require_grad(trainable),
             noise: None,
@@ -53,12 +60,13 @@ impl<B: QerlBackend> NoisyRmsNorm<B> {
         let d = dims[D - 1];
         let rows = dims[..D - 1].iter().product::<usize>();
         let x2: Tensor<B, 2> = x.reshape([rows, d]);
+        let dtype = x2.dtype();
         let (y, _rstd) = B::noisy_rms_norm(
             x2.into_primitive().tensor(),
-            self.weight.val().into_primitive().tensor(),
+            self.weight.val().cast(dtype).into_primitive().tensor(),
             self.noise
                 .as_ref()
-                .map(|z| z.clone().into_primitive().tensor()),
+                .map(|z| z.clone().cast(dtype).into_primitive().tensor()),
             self.eps,
         );
         Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims)

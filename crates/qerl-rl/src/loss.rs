@@ -165,7 +165,11 @@ pub fn truncated_is_weights<B: Backend>(
     logp_rollout: Tensor<B, 2>,
     cap: f32,
 ) -> Tensor<B, 2> {
-    (logp_train - logp_rollout).detach().exp().clamp_max(cap)
+    let dtype = logp_train.dtype();
+    (logp_train - logp_rollout.cast(dtype))
+        .detach()
+        .exp()
+        .clamp_max(cap)
 }
 
 /// The policy loss of one (micro-)batch; `global` replaces the batch's own normaliser when the
@@ -194,6 +198,17 @@ pub fn policy_loss<B: Backend>(
         check_shape("is_weights", w.dims().to_vec(), &[b, t])?;
     }
 
+    // Everything in `logp_new`'s dtype: burn's CubeCL backends do not promote mixed dtypes
+    // (an f32 tensor minus a bf16 one reads the bf16 buffer as f32), so an f32 log-prob
+    // against bf16 inputs made with the backend's default float type gives garbage.
+    let dtype = logp_new.dtype();
+    let (logp_old, mask, advantages) = (
+        logp_old.cast(dtype),
+        mask.cast(dtype),
+        advantages.cast(dtype),
+    );
+    let logp_ref = logp_ref.map(|r| r.cast(dtype));
+    let is_weights = is_weights.map(|w| w.cast(dtype));
     let adv = advantages.unsqueeze_dim::<2>(1).expand([b, t]);
     let ratio = (logp_new.clone() - logp_old.detach()).exp();
     let clipped = ratio

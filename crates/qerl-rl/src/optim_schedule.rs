@@ -86,7 +86,8 @@ struct SquaredNorm<'a, B: AutodiffBackend> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let s = g.square().sum();
+            // in f32: a half-precision sum of squares overflows (f16) or loses the small terms
+            let s = g.cast(burn::tensor::DType::F32).square().sum();
             self.acc = Some(match self.acc.take() {
                 Some(a) => a + s,
                 None => s,

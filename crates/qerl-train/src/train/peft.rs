@@ -209,9 +209,20 @@ pub fn param_ids<B: QerlBackend>(model: &mut CausalLm<B>) -> BTreeMap<String, u6
     out
 }
 
-fn tensor<B: QerlBackend, const D: usize>(t: &HostTensor, device: &B::Device) -> Tensor<B, D> {
+/// Trainable parameters are f32 master weights whatever the backend's float type (see
+/// `qerl_nn::Lora`); frozen ones take the backend's type.
+fn tensor<B: QerlBackend, const D: usize>(
+    t: &HostTensor,
+    trainable: bool,
+    device: &B::Device,
+) -> Tensor<B, D> {
     let shape: [usize; D] = t.shape.clone().try_into().expect("tensor rank");
-    Tensor::from_data(TensorData::new(t.values.clone(), shape), device)
+    let data = TensorData::new(t.values.clone(), shape);
+    if trainable {
+        Tensor::from_data(data, (device, burn::tensor::DType::F32))
+    } else {
+        Tensor::from_data(data, device)
+    }
 }
 
 fn param<B: QerlBackend, const D: usize>(
@@ -221,7 +232,10 @@ fn param<B: QerlBackend, const D: usize>(
     device: &B::Device,
 ) -> Param<Tensor<B, D>> {
     let id = id.map_or_else(ParamId::new, ParamId::from);
-    Param::initialized(id, tensor::<B, D>(t, device).set_require_grad(trainable))
+    Param::initialized(
+        id,
+        tensor::<B, D>(t, trainable, device).set_require_grad(trainable),
+    )
 }
 
 /// Sets LoRA matrices (by PEFT name) and norm weights (by checkpoint name) from host tensors,

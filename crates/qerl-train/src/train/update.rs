@@ -110,8 +110,11 @@ impl TrainBatch {
         self.mask.iter().sum()
     }
 
+    /// An `[n, len-1]` f32 tensor. The loss runs in f32 whatever the backend's float type
+    /// (log-probabilities are cast up): every operand must be f32 too, since burn's CubeCL
+    /// backends do not promote mixed dtypes (an f32 `-` bf16 reads the bf16 buffer as f32).
     fn t2<B: burn::tensor::backend::Backend>(&self, v: &[f32], d: &B::Device) -> Tensor<B, 2> {
-        Tensor::from_data(TensorData::new(v.to_vec(), [self.rows(), self.width()]), d)
+        f32_tensor(v.to_vec(), [self.rows(), self.width()], d)
     }
 
     fn targets<B: burn::tensor::backend::Backend>(&self, d: &B::Device) -> Tensor<B, 2, Int> {
@@ -143,6 +146,15 @@ fn log_probs<B: QerlBackend>(
     let ent = entropy.then(|| token_entropy(logits.clone().detach(), temperature));
     let lp = token_log_probs(logits, b.targets::<B>(&model.device()), temperature);
     Ok((lp, ent))
+}
+
+/// An f32 tensor on `d`, whatever the backend's default float type.
+fn f32_tensor<B: burn::tensor::backend::Backend, const D: usize>(
+    v: Vec<f32>,
+    shape: [usize; D],
+    d: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(v, shape), (d, burn::tensor::DType::F32))
 }
 
 fn host<B: burn::tensor::backend::Backend>(t: Tensor<B, 2>) -> Vec<f32> {
@@ -231,10 +243,7 @@ where
                 logp_new,
                 logp_old,
                 logp_ref: needs_ref.then(|| m.t2::<B>(&reference[i], &device)),
-                advantages: Tensor::from_data(
-                    TensorData::new(m.advantages.clone(), [m.rows()]),
-                    &device,
-                ),
+                advantages: f32_tensor(m.advantages.clone(), [m.rows()], &device),
                 mask,
                 is_weights,
             };
