@@ -9,6 +9,7 @@
 //! memory. Correct and simple; the fast sm_90 kernels are a separate piece of work.
 
 use crate::device::{decode_word_to, grid_1d, linear_cube, shape_err, DeviceWeight, KernelError};
+use crate::gemm_tc::{TcEpilogue, TcProduct};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
@@ -18,6 +19,23 @@ const TILE_M: usize = 32;
 const TILE_N: usize = 32;
 /// Reduction depth per shared-memory stage (one NVFP4 block).
 const TILE_K: usize = 16;
+/// Above this many rows, products go to the tensor-core kernel where the runtime has one
+/// ([`crate::gemm_tc`]); at or below it, the decode kernel or the tiled one.
+pub const TC_MIN_M: usize = 8;
+
+static TENSOR_CORES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the tensor-core path off (or back on) for every later launch in this process, so that
+/// benchmarks can time the portable tiled kernel on the same device. On by default.
+pub fn use_tensor_cores(on: bool) {
+    TENSOR_CORES.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn tensor_cores<R: Runtime, F: Float>(client: &ComputeClient<R>, m: usize, k: usize) -> bool {
+    m > TC_MIN_M
+        && TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
+        && crate::gemm_tc::applies::<R, F>(client, k)
+}
 /// Activation vector width: `K` is a multiple of 16, so of 4.
 const VEC: usize = 4;
 
@@ -362,6 +380,15 @@ pub fn lora_down<R: Runtime, F: Float>(
     check_buffer("lora_down", "x", x, bytes_of::<F>(m * k))?;
     check_buffer("lora_down", "A", a, bytes_of::<F>(rank * k))?;
     check_buffer("lora_down", "T", t, bytes_of::<f32>(m * rank))?;
+    if tensor_cores::<R, F>(client, m, k) {
+        let product = TcProduct::Dense { d: a, n: rank, k };
+        let none = TcEpilogue {
+            bias: None,
+            lora: None,
+        };
+        crate::gemm_tc::launch::<R, F, f32>(client, x, m, product, none, t);
+        return Ok(());
+    }
     let units = m * rank;
     // SAFETY: the kernel reads x[m*k], a[rank*k] and writes t[m*rank], all checked above.
     unsafe {
@@ -426,6 +453,14 @@ pub fn matmul<R: Runtime, F: Float>(
         );
         return Ok(());
     }
+    if tensor_cores::<R, F>(client, m, k) {
+        let epilogue = TcEpilogue {
+            bias: bias.cloned(),
+            lora: lora.map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale)),
+        };
+        crate::gemm_tc::launch::<R, F, F>(client, x, m, TcProduct::Forward(weight), epilogue, y);
+        return Ok(());
+    }
     let count = CubeCount::Static(n.div_ceil(TILE_N) as u32, m.div_ceil(TILE_M) as u32, 1);
     // SAFETY: buffer sizes are checked above; the kernel bounds every row/column by m and n and
     // K is a multiple of the block size (a DeviceWeight invariant).
@@ -472,6 +507,15 @@ pub fn matmul_transposed<R: Runtime, F: Float>(
     }
     check_buffer("matmul_transposed", "dY", dy, bytes_of::<F>(m * n))?;
     check_buffer("matmul_transposed", "dX", dx, bytes_of::<F>(m * k))?;
+    if n.is_multiple_of(32) && tensor_cores::<R, F>(client, m, k) {
+        let none = TcEpilogue {
+            bias: None,
+            lora: None,
+        };
+        let product = TcProduct::Transposed(weight);
+        crate::gemm_tc::launch::<R, F, F>(client, dy, m, product, none, dx);
+        return Ok(());
+    }
     let count = CubeCount::Static(k.div_ceil(TILE_N) as u32, m.div_ceil(TILE_M) as u32, 1);
     // SAFETY: sizes checked above; the kernel bounds rows by m, columns by k, reduction by n.
     unsafe {

@@ -15,6 +15,7 @@
 pub mod dequant;
 mod device;
 pub mod gemm;
+mod gemm_tc;
 mod gemv;
 pub mod rms_norm;
 

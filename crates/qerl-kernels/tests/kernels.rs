@@ -293,6 +293,112 @@ pub fn matmul_transposed<R: Runtime, F: Float + CubeElement>(device: &R::Device,
     }
 }
 
+/// The tensor-core path (CUDA f16/bf16; skipped where the runtime has no `cmma`): shapes that
+/// select each of its tile configurations (32x128, 64x128, 128x128 per cube), with M, N and K
+/// not multiples of the tiles, through the forward product (bias, LoRA with its down-projection)
+/// and dX.
+pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) {
+        return;
+    }
+    if c.properties().features.matmul.cmma.is_empty() {
+        eprintln!("skipped: no cmma on this device");
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    // (format, M, N, K): forward over 32x128 tiles; 64x128 (>= 132 cubes); 128x128 (>= 264).
+    let cases = [
+        (QuantFormat::Nvfp4, 17, 176, 96),
+        (QuantFormat::Mxfp4, 40, 208, 160),
+        (QuantFormat::Nf4, 33, 96, 224),
+        (QuantFormat::Nvfp4, 130, 5600, 96),
+        (QuantFormat::Nvfp4, 300, 11200, 64),
+        // dX over 64x128 and 128x128 tiles (its columns are K).
+        (QuantFormat::Nvfp4, 130, 96, 5600),
+        (QuantFormat::Nvfp4, 300, 64, 11232),
+    ];
+    for (format, m, n, k) in cases {
+        let w = random_weight(&mut rng, format, n, k);
+        let dw = DeviceWeight::upload(&c, &w).unwrap();
+        let deq = w.dequantize();
+        let x = normal(&mut rng, m * k, 1.0);
+        let bias = normal(&mut rng, n, 0.5);
+        let rank = 16;
+        let a = normal(&mut rng, rank * k, 0.1);
+        let b = normal(&mut rng, n * rank, 0.1);
+        let scale = 2.0f32;
+        let (xh, bh, ah, lbh) = (
+            upload::<R, F>(&c, &x),
+            upload::<R, F>(&c, &bias),
+            upload::<R, F>(&c, &a),
+            upload::<R, F>(&c, &b),
+        );
+        let rx = rounded::<F>(&x);
+        let rbias = rounded::<F>(&bias);
+        let what = format!("{format} M={m} N={n} K={k}");
+
+        let y = poisoned::<R, F>(&c, m * n);
+        gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), None, &y).unwrap();
+        let want = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), None);
+        assert_close(
+            &format!("tc matmul {what}"),
+            &read::<R, F>(&c, &y),
+            &want,
+            tol,
+            seed,
+        );
+
+        let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
+        gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
+        let y = poisoned::<R, F>(&c, m * n);
+        let lora = gemm::LoraEpilogue {
+            t: &t,
+            b: &lbh,
+            rank,
+            scale,
+        };
+        gemm::matmul::<R, F>(&c, &xh, m, &dw, None, Some(lora), &y).unwrap();
+        let (ra, rb) = (rounded::<F>(&a), rounded::<F>(&b));
+        let lref = LoraRef {
+            a: &ra,
+            b: &rb,
+            rank,
+            scale: scale as f64,
+        };
+        let want = matmul_ref(&rx, &deq, m, n, k, None, Some(&lref));
+        assert_close(
+            &format!("tc matmul+LoRA {what}"),
+            &read::<R, F>(&c, &y),
+            &want,
+            tol,
+            seed,
+        );
+
+        let dy = normal(&mut rng, m * n, 1.0);
+        let dyh = upload::<R, F>(&c, &dy);
+        let dx = poisoned::<R, F>(&c, m * k);
+        gemm::matmul_transposed::<R, F>(&c, &dyh, m, &dw, &dx).unwrap();
+        let g = rounded::<F>(&dy);
+        let mut want = vec![0.0; m * k];
+        for i in 0..m {
+            for j in 0..n {
+                let gij = g[i * n + j];
+                for kk in 0..k {
+                    want[i * k + kk] += gij * deq[j * k + kk] as f64;
+                }
+            }
+        }
+        assert_close(
+            &format!("tc dX {what}"),
+            &read::<R, F>(&c, &dx),
+            &want,
+            tol,
+            seed,
+        );
+    }
+}
+
 /// f64 reference of the noisy RMSNorm: forward `y`, and the backward `dx`, `dw` written from the
 /// Jacobian (`∂r/∂x_i = −r³ x_i / D`), not from the kernel's factored formula.
 pub fn rms_norm_ref(
@@ -434,6 +540,8 @@ macro_rules! suite {
             fn matmul_all_formats() { super::matmul::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_lora_epilogue() { super::matmul_lora::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn matmul_tensor_cores() { super::matmul_tensor_cores::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_transposed_all_formats() { super::matmul_transposed::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
