@@ -20,6 +20,7 @@ mod attention;
 pub mod batch;
 pub mod config;
 mod error;
+pub mod export;
 pub mod generate;
 mod load;
 mod model;

@@ -35,6 +35,9 @@ pub mod backends {
     /// CUDA with the qerl kernels, bf16 activations.
     #[cfg(feature = "cuda")]
     pub type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
+    /// CUDA with f32 activations: full-parameter training (`qerl sft`) keeps its weights in f32.
+    #[cfg(feature = "cuda")]
+    pub type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 }
 
 /// How a linear layer stores its frozen weight.

@@ -29,6 +29,9 @@ enum Command {
     Eval(cmd::eval::Args),
     /// Re-score a JSONL file of completions with a dataset's rewards.
     Reward(cmd::reward::Args),
+    /// Make a small math model from scratch: synthetic problems, a BPE tokenizer, supervised
+    /// training of a Qwen2 model, a Hugging Face checkpoint and its held-out accuracy.
+    Sft(cmd::sft::Args),
 }
 
 fn main() {
@@ -40,6 +43,7 @@ fn main() {
         Command::Train(args) => cmd::train::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Reward(args) => cmd::reward::run(args),
+        Command::Sft(args) => cmd::sft::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {}", error_chain(&err));

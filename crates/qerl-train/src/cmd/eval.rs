@@ -5,14 +5,12 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::{Context, Result};
-use qerl_model::config::eos_token_ids;
-use qerl_model::{ChatTemplate, GenerationConfig, GenerationDefaults, QerlBackend, SamplingParams};
+use qerl_model::{ChatTemplate, QerlBackend};
 use qerl_rl::data::{load_jsonl, resolve_dataset, DatasetKind, FieldSpec, Split};
-use qerl_rl::eval::{judge, PassAtOne};
 use qerl_rl::prompt::PromptTemplate;
+use qerl_train::evaluate::{evaluate, EvalSpec};
 use serde_json::json;
 
 use super::generate::{load, with_backend, ModelArgs};
@@ -47,6 +45,19 @@ pub struct Args {
     /// Plain-text prompts instead of the ChatML template.
     #[arg(long)]
     pub no_chat: bool,
+    /// The prompt: `auto` (think-answer for GSM8K, boxed otherwise), `bare` (the question
+    /// alone, e.g. for models/tiny-math), `think-answer` or `boxed`.
+    #[arg(long, value_enum, default_value_t = PromptArg::Auto)]
+    pub prompt: PromptArg,
+}
+
+/// The `--prompt` choices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PromptArg {
+    Auto,
+    Bare,
+    ThinkAnswer,
+    Boxed,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -75,31 +86,25 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
     let loaded = load::<B>(&args.model, device)?;
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let dir = &args.model.model;
-    let template = match kind {
-        DatasetKind::Gsm8k => PromptTemplate::think_answer(),
-        _ => PromptTemplate::boxed(),
+    let template = match (args.prompt, kind) {
+        (PromptArg::Bare, _) => PromptTemplate::bare(),
+        (PromptArg::ThinkAnswer, _) | (PromptArg::Auto, DatasetKind::Gsm8k) => {
+            PromptTemplate::think_answer()
+        }
+        (PromptArg::Boxed, _) | (PromptArg::Auto, _) => PromptTemplate::boxed(),
     };
-    let chat = (!args.no_chat)
-        .then(|| ChatTemplate::for_model(dir))
-        .transpose()?;
-    let questions: Vec<String> = examples.iter().map(|e| e.question.clone()).collect();
-    let prompts =
-        qerl_train::rollout::encode_prompts(&questions, &template, chat.as_ref(), tok, 0)?;
-    let defaults = GenerationDefaults::from_dir(dir)?;
-    let base = GenerationConfig {
+    let spec = EvalSpec {
+        kind,
+        template,
+        chat: (!args.no_chat)
+            .then(|| ChatTemplate::for_model(dir))
+            .transpose()?,
+        samples: args.samples.max(1),
+        temperature: args.temperature,
+        top_p: args.top_p,
         max_new_tokens: args.max_new_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            top_k: 0,
-        },
         seed: args.seed,
-        eos_token_ids: eos_token_ids(model.config(), &defaults),
-        stop_strings: Vec::new(),
-        pad_token_id: defaults
-            .pad_token_id
-            .or(model.config().pad_token_id)
-            .unwrap_or(0),
+        batch: args.batch,
     };
     let out_path = args
         .output
@@ -109,43 +114,24 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
         std::fs::File::create(&out_path)
             .with_context(|| format!("cannot create `{}`", out_path.display()))?,
     );
-    let k = args.samples.max(1);
-    let mut tally = PassAtOne::default();
-    let start = Instant::now();
-    let mut tokens = 0usize;
-    let idx: Vec<usize> = (0..examples.len()).collect();
-    for (chunk_no, chunk) in idx.chunks(args.batch.max(1)).enumerate() {
-        let batch: Vec<(usize, Vec<u32>)> =
-            chunk.iter().map(|&i| (i, prompts[i].clone())).collect();
-        let gen = GenerationConfig {
-            seed: args.seed.wrapping_add(chunk_no as u64 * 1_000_003),
-            ..base.clone()
-        };
-        let groups = qerl_train::rollout::sample_groups(model, &batch, k, &gen, tok)?;
-        for g in groups {
-            let e = &examples[g.example];
-            let verdicts: Vec<_> = g.texts.iter().map(|t| judge(kind, t, &e.answer)).collect();
-            for (s, (v, (text, c))) in verdicts
-                .iter()
-                .zip(g.texts.iter().zip(&g.completions))
-                .enumerate()
-            {
-                tokens += c.tokens.len();
-                let line = json!({
-                    "id": e.id, "question": e.question, "answer": e.answer, "sample": s,
-                    "completion": text, "strict": v.strict, "flexible": v.flexible,
-                    "strict_answer": v.strict_answer, "flexible_answer": v.flexible_answer,
-                    "tokens": c.tokens.len(), "finish": format!("{:?}", c.finish),
-                });
-                writeln!(out, "{line}")?;
-            }
-            tally.add_question(&verdicts);
-        }
-        eprint!("\r{}/{} questions", tally.questions, examples.len());
-    }
+    let n = examples.len();
+    let report = evaluate(model, tok, dir, &examples, &spec, |done| {
+        eprint!("\r{done}/{n} questions")
+    })?;
     eprintln!();
+    for r in &report.records {
+        let (e, v) = (&examples[r.example], &r.verdict);
+        let line = json!({
+            "id": e.id, "question": e.question, "answer": e.answer, "sample": r.sample,
+            "completion": r.text, "strict": v.strict, "flexible": v.flexible,
+            "strict_answer": v.strict_answer, "flexible_answer": v.flexible_answer,
+            "tokens": r.tokens, "finish": r.finish,
+        });
+        writeln!(out, "{line}")?;
+    }
     out.flush()?;
-    let secs = start.elapsed().as_secs_f64();
+    let (tally, tokens, k) = (&report.tally, report.tokens, spec.samples);
+    let secs = report.seconds;
     println!("| dataset | model | adapter | questions | samples/q | pass@1 strict | pass@1 flexible | pass@{k} strict |");
     println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     println!(

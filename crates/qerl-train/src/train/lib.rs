@@ -10,12 +10,18 @@
 //! | [`peft`] | the PEFT adapter writer, norm weights, host tensors |
 //! | [`checkpoint`] | atomic checkpoint directories and the trainer state |
 //! | [`signal`] | the Ctrl-C flag |
+//! | [`evaluate`] | held-out accuracy (pass@1, strict and flexible), shared by `qerl eval`, `qerl sft` and the demo |
+//! | [`sft`] | supervised full-parameter training of a small model from scratch (`qerl sft`) |
+//! | [`bpe`] | training a byte-level BPE tokenizer with the ChatML tokens |
 
+pub mod bpe;
 pub mod checkpoint;
+pub mod evaluate;
 pub mod noise;
 pub mod peft;
 pub mod rollout;
 pub mod run;
+pub mod sft;
 pub mod signal;
 pub mod trainer;
 pub mod update;
