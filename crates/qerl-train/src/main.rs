@@ -9,10 +9,18 @@ mod cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "qerl", version, about = "Quantization-enhanced RL for LLMs")]
+#[command(
+    name = "qerl",
+    version,
+    about = "Quantization-enhanced RL for LLMs",
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    /// Without a subcommand: the demo (NVFP4 + LoRA + GRPO + AQN on the embedded tiny-math model).
+    #[command(flatten)]
+    demo: cmd::demo::Args,
 }
 
 #[derive(Subcommand, Debug)]
@@ -37,13 +45,14 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Quantize(args) => cmd::quantize::run(args),
-        Command::Generate(args) => cmd::generate::run(args),
-        Command::Score(args) => cmd::score::run(args),
-        Command::Train(args) => cmd::train::run(args),
-        Command::Eval(args) => cmd::eval::run(args),
-        Command::Reward(args) => cmd::reward::run(args),
-        Command::Sft(args) => cmd::sft::run(args),
+        None => cmd::demo::run(cli.demo),
+        Some(Command::Quantize(args)) => cmd::quantize::run(args),
+        Some(Command::Generate(args)) => cmd::generate::run(args),
+        Some(Command::Score(args)) => cmd::score::run(args),
+        Some(Command::Train(args)) => cmd::train::run(args),
+        Some(Command::Eval(args)) => cmd::eval::run(args),
+        Some(Command::Reward(args)) => cmd::reward::run(args),
+        Some(Command::Sft(args)) => cmd::sft::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {}", error_chain(&err));

@@ -73,6 +73,10 @@ pub struct Args {
     pub weight_decay: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Wall-clock budget of the training loop (seconds): the step count is cut to what fits
+    /// and the learning-rate schedule fitted to it.
+    #[arg(long)]
+    pub time_budget: Option<f64>,
     /// Difficulty: fewest and most arithmetic steps, largest operand of + and -, largest
     /// factor of * and /.
     #[arg(long, default_value_t = 1)]
@@ -145,17 +149,22 @@ pub fn run(args: Args) -> Result<()> {
     };
     eprintln!("supervised training on {device:?} (f32)");
     match device {
-        SftDevice::Cpu => {
-            run_on::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(&args, &Default::default())
-        }
+        SftDevice::Cpu => run_on::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(
+            &args,
+            &Default::default(),
+            "cpu",
+        ),
         #[cfg(feature = "wgpu")]
-        SftDevice::Wgpu => {
-            run_on::<burn::backend::Autodiff<qerl_nn::backends::Wgpu>>(&args, &Default::default())
-        }
+        SftDevice::Wgpu => run_on::<burn::backend::Autodiff<qerl_nn::backends::Wgpu>>(
+            &args,
+            &Default::default(),
+            "wgpu",
+        ),
         #[cfg(feature = "cuda")]
         SftDevice::Cuda => run_on::<burn::backend::Autodiff<qerl_nn::backends::CudaF32>>(
             &args,
             &Default::default(),
+            "cuda",
         ),
         #[allow(unreachable_patterns)]
         other => anyhow::bail!("this build of qerl has no {other:?} support (see --features)"),
@@ -187,7 +196,7 @@ fn examples(problems: &[SynthProblem]) -> Vec<Example> {
         .collect()
 }
 
-fn run_on<B>(args: &Args, device: &B::Device) -> Result<()>
+fn run_on<B>(args: &Args, device: &B::Device, device_name: &str) -> Result<()>
 where
     B: AutodiffBackend + QerlBackend,
     B::InnerBackend: QerlBackend,
@@ -274,6 +283,7 @@ where
         weight_decay: args.weight_decay,
         grad_clip: 1.0,
         seed: args.seed,
+        time_budget_s: args.time_budget,
     };
     let log_path = out.join("sft_log.jsonl");
     let mut log = std::io::BufWriter::new(
@@ -289,7 +299,7 @@ where
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
             .expect("a valid template"),
     );
-    let (mut tokens, mut last_loss) = (0usize, f32::NAN);
+    let (mut tokens, mut last_loss, mut steps_done) = (0usize, f32::NAN, 0usize);
     let t_train = Instant::now();
     qerl_train::signal::install();
     let model = train(
@@ -300,6 +310,8 @@ where
         |l: &SftLog| {
             tokens += l.tokens;
             last_loss = l.loss;
+            steps_done = l.step + 1;
+            pb.set_length(l.total_steps as u64);
             let _ = writeln!(log, "{}", serde_json::to_string(l).expect("JSON"));
             pb.set_position(l.step as u64 + 1);
             pb.set_message(format!(
@@ -313,8 +325,7 @@ where
     log.flush()?;
     let train_secs = t_train.elapsed().as_secs_f64();
     eprintln!(
-        "trained {} steps in {train_secs:.0}s ({:.0} completion tokens/s), final loss {last_loss:.4}",
-        opt.steps,
+        "trained {steps_done} steps in {train_secs:.0}s ({:.0} completion tokens/s), final loss {last_loss:.4}",
         tokens as f64 / train_secs.max(1e-9)
     );
     let dtype = match args.save_dtype {
@@ -340,7 +351,7 @@ where
                 top_p: 0.95,
                 max_new_tokens: args.eval_max_new_tokens,
                 seed: args.seed,
-                batch: 32,
+                batch: 64,
             };
             let r = evaluate(&saved, &tokenizer, out, &test, &spec, |_| {})?;
             eprintln!(
@@ -357,9 +368,9 @@ where
     }
     let summary = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "device": format!("{:?}", args.device),
+        "device": device_name,
         "parameters": shape.parameters(vocab),
-        "steps": opt.steps, "batch": opt.batch, "lr": opt.lr,
+        "steps": steps_done, "batch": opt.batch, "lr": opt.lr,
         "train_seconds": train_secs, "total_seconds": t0.elapsed().as_secs_f64(),
         "completion_tokens": tokens, "final_loss": last_loss,
         "synth": synth, "seed": args.seed,

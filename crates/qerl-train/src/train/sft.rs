@@ -215,7 +215,15 @@ pub struct SftOptions {
     pub weight_decay: f32,
     pub grad_clip: f32,
     pub seed: u64,
+    /// Wall-clock budget of the training loop in seconds: after a few steps (the first ones
+    /// compile kernels), the step count is cut to what fits, and the cosine schedule is
+    /// stretched over that count, so a run on unknown hardware still ends its decay.
+    pub time_budget_s: Option<f64>,
 }
+
+/// Steps timed before the budget is applied (the first ones pay for kernel compilation).
+const BUDGET_WARMUP: usize = 10;
+const BUDGET_MEASURE: usize = 10;
 
 /// What one step reports.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -228,6 +236,8 @@ pub struct SftLog {
     /// Completion tokens of the step.
     pub tokens: usize,
     pub seconds: f64,
+    /// The step count the run aims at (below `SftOptions::steps` when the time budget cut it).
+    pub total_steps: usize,
 }
 
 /// The masked mean cross-entropy of the completion tokens of `batch`.
@@ -275,8 +285,8 @@ pub fn make_batch(examples: &[&SftExample], pad: u32) -> Result<TrainBatch> {
     )
 }
 
-/// Trains `model` on `data` for `opt.steps` steps of `opt.batch` examples drawn in shuffled
-/// epochs; `on_step` sees each step's log. Stops early (returning the model as it is) when
+/// Trains `model` on `data` for `opt.steps` steps (fewer under a time budget) of `opt.batch`
+/// examples drawn in shuffled epochs; `on_step` sees each step's log. Stops early (returning the model as it is) when
 /// `stop()` says so.
 pub fn train<B>(
     mut model: CausalLm<B>,
@@ -294,7 +304,7 @@ where
     let mut optim = AdamWConfig::new()
         .with_weight_decay(opt.weight_decay)
         .init::<B, CausalLm<B>>();
-    let schedule = LrSchedule {
+    let mut schedule = LrSchedule {
         peak_lr: opt.lr,
         warmup_steps: opt.warmup_steps,
         total_steps: opt.steps,
@@ -303,9 +313,25 @@ where
     };
     let mut rng = rand::rngs::StdRng::seed_from_u64(opt.seed);
     let mut order: Vec<usize> = Vec::new();
-    for step in 0..opt.steps {
+    let t0 = Instant::now();
+    let mut measure_from = t0;
+    let mut step = 0;
+    while step < schedule.total_steps {
         if stop() {
             break;
+        }
+        if let Some(budget) = opt.time_budget_s {
+            if step == BUDGET_WARMUP {
+                measure_from = Instant::now();
+            } else if step == BUDGET_WARMUP + BUDGET_MEASURE {
+                let per_step = measure_from.elapsed().as_secs_f64() / BUDGET_MEASURE as f64;
+                let left = (budget - t0.elapsed().as_secs_f64()).max(0.0);
+                let fits = step + (left / per_step.max(1e-9)) as usize;
+                if fits < schedule.total_steps {
+                    schedule.total_steps = fits.max(step + 1);
+                    schedule.warmup_steps = schedule.warmup_steps.min(schedule.total_steps / 2);
+                }
+            }
         }
         let start = Instant::now();
         let picked: Vec<&SftExample> = (0..opt.batch.max(1))
@@ -342,7 +368,9 @@ where
             lr,
             tokens: batch.tokens_counted() as usize,
             seconds: start.elapsed().as_secs_f64(),
+            total_steps: schedule.total_steps,
         });
+        step += 1;
     }
     Ok(model)
 }

@@ -1,0 +1,172 @@
+//! `qerl` with no subcommand (what `cargo run --release -p qerl-train` runs): the whole QeRL
+//! loop on the embedded model, on whatever machine this is.
+//!
+//! 1. Quantizes `models/tiny-math` (a small Qwen2 the project trained itself, see its README)
+//!    to NVFP4 into `runs/demo/tiny-math-nvfp4`.
+//! 2. Measures its held-out accuracy (models/tiny-math/data/test.jsonl, greedy).
+//! 3. Trains LoRA adapters with GRPO and AQN on the frozen NVFP4 weights
+//!    (`configs/tiny-math.toml`; CUDA when present, else the CPU).
+//! 4. Measures the accuracy again with the saved adapter loaded back, and prints a
+//!    before / after table and the paths of the plot, the metrics and the adapter.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use qerl_format::checkpoint::quantize_checkpoint;
+use qerl_format::QuantFormat;
+use qerl_model::{load, load_with_adapter, Adapter, ChatTemplate, LoadOptions, Tokenizer};
+use qerl_rl::data::{load_jsonl, DatasetKind, FieldSpec};
+use qerl_rl::TrainConfig;
+use qerl_train::evaluate::{evaluate, EvalSpec};
+use qerl_train::{RunOptions, TrainBackend, TrainSetup, Trainer};
+
+#[derive(clap::Args, Debug, Default)]
+pub struct Args {
+    /// The demo's config (default: configs/tiny-math.toml of this repository).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override a config value, e.g. `--set train.steps=40` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Force the CPU even when a GPU is present.
+    #[arg(long)]
+    pub cpu: bool,
+}
+
+/// The repository root: the current directory when it holds `models/tiny-math`, else the
+/// checkout this binary was built from.
+fn repo_root() -> PathBuf {
+    let here = PathBuf::from(".");
+    if here.join("models/tiny-math/config.json").is_file() {
+        return here;
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Resolves a config path relative to the repository root.
+fn under(root: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        root.join(p)
+    }
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let root = repo_root();
+    let model_src = root.join("models/tiny-math");
+    anyhow::ensure!(
+        model_src.join("config.json").is_file(),
+        "the embedded model is missing: `{}` has no config.json",
+        model_src.display()
+    );
+    let config_path = args
+        .config
+        .clone()
+        .unwrap_or_else(|| root.join("configs/tiny-math.toml"));
+    let mut config = TrainConfig::load(&config_path, &args.set)?;
+    config.model.dir = under(&root, &config.model.dir);
+    config.data.path = config.data.path.as_deref().map(|p| under(&root, p));
+    config.train.output_dir = under(&root, &config.train.output_dir);
+    let test_file = under(&root, Path::new(&config.eval.dataset));
+
+    // 1. NVFP4 weights.
+    let q_dir = config.model.dir.clone();
+    if !q_dir.join("config.json").is_file() {
+        eprintln!(
+            "quantizing {} to NVFP4 -> {}",
+            model_src.display(),
+            q_dir.display()
+        );
+        let report = quantize_checkpoint(&model_src, &q_dir, QuantFormat::Nvfp4, &mut |_| {})?;
+        eprintln!(
+            "{} linears quantized, {:.1} MB -> {:.1} MB",
+            report.layers.len(),
+            report.input_bytes as f64 / 1e6,
+            report.output_bytes as f64 / 1e6
+        );
+    }
+    let gpu = !args.cpu && cfg!(feature = "cuda") && super::gpu_present();
+    eprintln!("device: {}", if gpu { "CUDA" } else { "CPU" });
+    if gpu {
+        #[cfg(feature = "cuda")]
+        return go::<burn::backend::Autodiff<qerl_nn::backends::Cuda>>(config, &test_file);
+    }
+    go::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(config, &test_file)
+}
+
+/// Greedy held-out accuracy (strict) of the NVFP4 model, with or without an adapter.
+fn accuracy<B: qerl_model::QerlBackend>(
+    config: &TrainConfig,
+    test_file: &Path,
+    adapter: Option<&Path>,
+) -> Result<(f64, usize)> {
+    let dir = &config.model.dir;
+    let tokenizer = Tokenizer::for_model(dir, None)?;
+    let mut examples = load_jsonl(test_file, &FieldSpec::gsm8k())?;
+    if config.eval.limit > 0 {
+        examples.truncate(config.eval.limit);
+    }
+    let device = B::Device::default();
+    let options = LoadOptions::default();
+    let model = match adapter {
+        Some(a) => load_with_adapter::<B>(dir, &options, Some(&Adapter::open(a)?), &device)?,
+        None => load::<B>(dir, &options, &device)?,
+    };
+    let spec = EvalSpec {
+        kind: DatasetKind::Gsm8k,
+        template: config.data.prompt.clone(),
+        chat: Some(ChatTemplate::for_model(dir)?),
+        samples: config.eval.samples.max(1),
+        temperature: config.eval.temperature,
+        top_p: config.eval.top_p,
+        max_new_tokens: config.eval.max_completion_tokens,
+        seed: config.train.seed,
+        batch: 64,
+    };
+    let r = evaluate(&model, &tokenizer, dir, &examples, &spec, |_| {})?;
+    Ok((r.tally.strict(), r.tally.questions))
+}
+
+fn go<B: TrainBackend>(config: TrainConfig, test_file: &Path) -> Result<()> {
+    let start = std::time::Instant::now();
+    let (before, n) = accuracy::<B::InnerBackend>(&config, test_file, None)
+        .context("evaluating the NVFP4 model before training")?;
+    eprintln!(
+        "held-out accuracy before RL: {:.1}% ({n} questions)",
+        100.0 * before
+    );
+    let setup = TrainSetup::from_config(config.clone(), None)?;
+    let mut trainer = Trainer::<B>::new(setup, &B::Device::default())?;
+    qerl_train::signal::install();
+    let out = qerl_train::run(&mut trainer, &RunOptions::default())?;
+    let adapter = out
+        .checkpoint
+        .clone()
+        .context("the run wrote no checkpoint")?;
+    let (after, _) = accuracy::<B::InnerBackend>(&config, test_file, Some(&adapter))
+        .context("evaluating the trained adapter")?;
+    let m = &out.metrics;
+    let first = m.first().map_or(f32::NAN, |x| x.reward_mean);
+    let last = m.last().map_or(f32::NAN, |x| x.reward_mean);
+    println!();
+    println!(
+        "| tiny-math, NVFP4 + LoRA, GRPO + AQN | held-out accuracy ({n}, greedy) | train reward |"
+    );
+    println!("| --- | ---: | ---: |");
+    println!(
+        "| before RL | {:.1}% | {first:.3} (step 0) |",
+        100.0 * before
+    );
+    println!(
+        "| after {} steps | {:.1}% | {last:.3} (last step) |",
+        out.steps,
+        100.0 * after
+    );
+    println!();
+    println!("time: {:.0} s", start.elapsed().as_secs_f64());
+    println!("plot:    {}", out.plot_path.display());
+    println!("metrics: {}", out.metrics_path.display());
+    println!("adapter: {}", adapter.display());
+    Ok(())
+}
