@@ -79,8 +79,8 @@ def main():
         lines.append("")
         lines.append(f"### {model}")
         lines.append("")
-        lines.append("| layer | M | cuBLAS bf16 us | TFLOP/s | qerl nvfp4 us | TB/s | TFLOP/s | vs cuBLAS | mxfp4 us | nf4 us | dX nvfp4 us |")
-        lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        lines.append("| layer | M | cuBLAS bf16 us | TFLOP/s | qerl nvfp4 us | TB/s | TFLOP/s | vs cuBLAS | mxfp4 us | nf4 us | dX nvfp4 us | dX vs cuBLAS |")
+        lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for layer, n, k in SHAPES[model]:
             for m in ms_list:
                 us = cublas(m, n, k)
@@ -91,9 +91,10 @@ def main():
                 dx = qerl.get((model, layer, "dx", "nvfp4", m))
                 f = lambda r, key="us", fmt="{:.1f}": fmt.format(r[key]) if r else "-"
                 ratio = f"{us / q['us']:.2f}x" if q else "-"
+                dx_ratio = f"{us / dx['us']:.2f}x" if dx else "-"
                 lines.append(
                     f"| {layer} | {m} | {us:.1f} | {tf:.1f} | {f(q)} | {f(q, 'tb_s', '{:.2f}')} | "
-                    f"{f(q, 'tflop_s', '{:.1f}')} | {ratio} | {f(mx)} | {f(nf)} | {f(dx)} |"
+                    f"{f(q, 'tflop_s', '{:.1f}')} | {ratio} | {f(mx)} | {f(nf)} | {f(dx)} | {dx_ratio} |"
                 )
     lora = [r for r in rows if r["kernel"].startswith("lora")]
     if lora:
@@ -108,6 +109,21 @@ def main():
                 lines.append(
                     f"| {r['model']} | {r['layer']} | {r['m']} | {r['kernel'][4:]} | {r['us']:.1f} | "
                     f"{plain['us']:.1f} | {100 * (r['us'] / plain['us'] - 1):.1f}% |"
+                )
+    old = [r for r in rows if r["kernel"] in ("matmul_old", "dx_old")]
+    if old:
+        lines.append("")
+        lines.append("Tiled kernel (tensor cores off) against the tensor-core path, same run, nvfp4:")
+        lines.append("")
+        lines.append("| model | layer | product | M | tiled us | new us | speed-up | new TFLOP/s |")
+        lines.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in old:
+            kind = r["kernel"][:-4]
+            new = qerl.get((r["model"], r["layer"], kind, "nvfp4", r["m"]))
+            if new:
+                lines.append(
+                    f"| {r['model']} | {r['layer']} | {kind} | {r['m']} | {r['us']:.1f} | {new['us']:.1f} | "
+                    f"{r['us'] / new['us']:.1f}x | {new['tflop_s']:.1f} |"
                 )
     norms = [r for r in rows if r["kernel"] == "rmsnorm"]
     if norms:

@@ -32,13 +32,17 @@ struct Args {
     /// Formats to time.
     #[arg(long, value_delimiter = ',', default_value = "nvfp4,mxfp4,nf4")]
     formats: Vec<QuantFormat>,
-    /// Kernels: matmul, dx, lora, dequant, rmsnorm.
+    /// Kernels: matmul, dx, lora, dequant, rmsnorm; `old` also times matmul and dx with the
+    /// tensor-core path off (the portable tiled kernel) at the M listed in `--old-m`.
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "matmul,dx,lora,dequant,rmsnorm"
     )]
     kernels: Vec<String>,
+    /// Rows at which `old` times the tiled kernel.
+    #[arg(long, value_delimiter = ',', default_value = "16,256,1024")]
+    old_m: Vec<usize>,
     /// Launches per timed batch.
     #[arg(long, default_value_t = 20)]
     iters: usize,
@@ -236,6 +240,20 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                         })?;
                         push("matmul", m, s, weight_bytes + io, flops);
                         slow = s * 1e3 > args.max_ms;
+                    }
+                    if want("old") && format == QuantFormat::Nvfp4 && args.old_m.contains(&m) {
+                        gemm::use_tensor_cores(false);
+                        let dy = random_activations(&c, m * n, &mut rng);
+                        let dx = c.empty(m * k * 2);
+                        let s = time(&c, iters, reps, || {
+                            gemm::matmul::<R, F>(&c, &x, m, &w, None, None, &y).unwrap()
+                        })?;
+                        push("matmul_old", m, s, weight_bytes + io, flops);
+                        let s = time(&c, iters, reps, || {
+                            gemm::matmul_transposed::<R, F>(&c, &dy, m, &w, &dx).unwrap()
+                        })?;
+                        push("dx_old", m, s, weight_bytes + io, flops);
+                        gemm::use_tensor_cores(true);
                     }
                     if want("dx") && format == QuantFormat::Nvfp4 {
                         let dy = random_activations(&c, m * n, &mut rng);

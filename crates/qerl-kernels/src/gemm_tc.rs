@@ -167,18 +167,20 @@ fn compute_stage<F: Float, V: Size>(
     #[comptime] b_k_step: usize,
     #[comptime] b_stride: u32,
 ) {
+    let b_row = comptime!(b_stride as usize / 8);
     #[unroll]
     for kk in 0..BK / 16 {
         #[unroll]
         for fm in 0..frags_m {
             let start = a_base + fm * 16 * SROW + kk * 2;
-            let sl = a_s.slice(start, start + 16 * SROW);
+            let sl = a_s.slice(start, start + 15 * SROW + 2);
             cmma::load(a_frag.index(fm), &sl, SROW_ELEMS);
         }
         #[unroll]
         for fn_ in 0..frags_n {
             let start = b_base + fn_ * b_frag_step + kk * b_k_step;
-            let sl = b_s.slice(start, start + 16 * b_k_step);
+            // 16 rows of 16 elements (2 vectors), `b_row` vectors apart.
+            let sl = b_s.slice(start, start + 15 * b_row + 2);
             cmma::load(b_frag.index(fn_), &sl, b_stride);
         }
         #[unroll]
@@ -508,6 +510,13 @@ fn load_w<W: Size>(
             } else {
                 s_val[j] = scale_table[b];
             }
+        }
+    } else {
+        // Outside the weight: zeros, and in-range table indices.
+        #[unroll]
+        for j in 0..words {
+            s_raw[j] = 0u32;
+            s_val[j] = 0.0f32;
         }
     }
     v
