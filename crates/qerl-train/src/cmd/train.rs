@@ -1,4 +1,10 @@
-//! `qerl train --config FILE.toml [--set key=value ...] [--resume DIR] [--device auto|cpu|wgpu|cuda]`.
+//! `qerl train --config FILE.toml [--set key=value ...] [--resume DIR] [--device auto|cpu|wgpu|cuda]
+//! [--gpus N]`.
+//!
+//! Data parallelism (docs/distributed.md): `--gpus N` starts N ranks of this same command on
+//! this host, one GPU each; a process started with torchrun's variables (`WORLD_SIZE`, `RANK`,
+//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) is one rank of such a group. Ranks talk through
+//! NCCL on CUDA (gradients) and TCP to rank 0 (everything small, and all of it on CPU / wgpu).
 //!
 //! GRPO / DAPO / Dr. GRPO post-training of a frozen (NVFP4 or BF16) model through LoRA (and
 //! optionally its RMSNorm weights), with AQN noise in the norms. The loop lives in the
@@ -10,6 +16,8 @@ use anyhow::{Context, Result};
 use clap::ValueEnum;
 use qerl_rl::TrainConfig;
 use qerl_train::checkpoint::{resolve_checkpoint, CONFIG_FILE};
+use qerl_train::dist::launch::{free_port, spawn_local, RankEnv};
+use qerl_train::dist::{tcp::TcpComm, Communicator, Single};
 use qerl_train::{RunOptions, TrainBackend, TrainSetup, Trainer};
 
 /// Where training runs.
@@ -47,6 +55,15 @@ pub struct Args {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Data-parallel ranks on this host, one GPU each (`LOCAL_RANK` = device index): starts
+    /// this command once per rank. With `--device cpu` or `wgpu` the ranks share the device
+    /// (for trying the machinery out).
+    #[arg(long, default_value_t = 1)]
+    pub gpus: usize,
+    /// Seconds a rank waits in a collective for the others before the run ends naming the
+    /// ranks that did not come (a rollout of the slowest rank must fit in it).
+    #[arg(long, default_value_t = 1800)]
+    pub dist_timeout: u64,
 }
 
 fn gpu_present() -> bool {
@@ -54,6 +71,30 @@ fn gpu_present() -> bool {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    let rank_env = RankEnv::from_env()?;
+    anyhow::ensure!(args.gpus >= 1, "--gpus must be at least 1");
+    if args.gpus > 1 && rank_env.is_none() {
+        // the launcher: the ranks are this same command line with torchrun's variables set
+        let program = std::env::current_exe().context("cannot find the qerl executable")?;
+        let argv: Vec<String> = std::env::args().skip(1).collect();
+        eprintln!("starting {} ranks", args.gpus);
+        spawn_local(
+            &program,
+            &argv,
+            args.gpus,
+            free_port()?,
+            std::time::Duration::from_secs(30),
+        )?;
+        return Ok(());
+    }
+    if let Some(env) = &rank_env {
+        anyhow::ensure!(
+            args.gpus == 1 || args.gpus == env.world_size,
+            "--gpus {} disagrees with WORLD_SIZE {}",
+            args.gpus,
+            env.world_size
+        );
+    }
     let resume = args.resume.as_deref().map(resolve_checkpoint).transpose()?;
     let config_path = match (&args.config, &resume) {
         (Some(c), _) => c.clone(),
@@ -73,39 +114,125 @@ pub fn run(args: Args) -> Result<()> {
         progress: !args.quiet,
         max_steps: args.max_steps,
     };
-    eprintln!("training on {device:?}");
+    let timeout = std::time::Duration::from_secs(args.dist_timeout);
+    let rank = Rank {
+        env: rank_env,
+        timeout,
+    };
+    match &rank.env {
+        Some(e) => eprintln!(
+            "rank {}/{} (local rank {}) training on {device:?}",
+            e.rank, e.world_size, e.local_rank
+        ),
+        None => eprintln!("training on {device:?}"),
+    }
     match device {
         TrainDevice::Cpu => {
-            go::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(setup, resume, &options)
+            let comm = rank.tcp()?;
+            go::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(setup, resume, &options, comm, 0)
         }
         #[cfg(feature = "wgpu")]
         TrainDevice::Wgpu => {
-            go::<burn::backend::Autodiff<qerl_nn::backends::Wgpu>>(setup, resume, &options)
+            let comm = rank.tcp()?;
+            go::<burn::backend::Autodiff<qerl_nn::backends::Wgpu>>(setup, resume, &options, comm, 0)
         }
         #[cfg(feature = "cuda")]
         TrainDevice::Cuda => {
-            go::<burn::backend::Autodiff<qerl_nn::backends::Cuda>>(setup, resume, &options)
+            let comm = rank.nccl()?;
+            go::<burn::backend::Autodiff<qerl_nn::backends::Cuda>>(
+                setup,
+                resume,
+                &options,
+                comm,
+                rank.local_rank(),
+            )
         }
         #[allow(unreachable_patterns)]
         other => anyhow::bail!("this build of qerl has no {other:?} support (see --features)"),
     }
 }
 
+/// This process's place in a data-parallel group (`env` is `None` for a single process).
+struct Rank {
+    env: Option<RankEnv>,
+    timeout: std::time::Duration,
+}
+
+impl Rank {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn local_rank(&self) -> usize {
+        self.env.as_ref().map_or(0, |e| e.local_rank)
+    }
+
+    /// Everything over TCP (CPU and wgpu ranks).
+    fn tcp(&self) -> Result<Box<dyn Communicator>> {
+        Ok(match &self.env {
+            None => Box::new(Single),
+            Some(e) => Box::new(
+                TcpComm::connect(e.rank, e.world_size, &e.master, self.timeout)
+                    .context("cannot join the process group")?,
+            ),
+        })
+    }
+
+    /// Gradients through NCCL on the rank's GPU, the rest over TCP.
+    #[cfg(feature = "cuda")]
+    fn nccl(&self) -> Result<Box<dyn Communicator>> {
+        Ok(match &self.env {
+            None => Box::new(Single),
+            Some(e) => Box::new(
+                qerl_train::dist::nccl::NcclComm::connect(
+                    e.rank,
+                    e.world_size,
+                    e.local_rank,
+                    &e.master,
+                    self.timeout,
+                )
+                .context("cannot join the NCCL group")?,
+            ),
+        })
+    }
+}
+
+/// The backend's device number `index` (the rank's GPU under data parallelism).
+fn device_at<B: TrainBackend>(index: usize) -> B::Device {
+    use burn::tensor::backend::Device as _;
+    let device = B::Device::default();
+    if index == 0 {
+        return device;
+    }
+    let mut id = device.to_id();
+    id.index_id = index as _;
+    B::Device::from_id(id)
+}
+
 fn go<B: TrainBackend>(
     setup: TrainSetup,
     resume: Option<PathBuf>,
     options: &RunOptions,
+    comm: Box<dyn Communicator>,
+    device_index: usize,
 ) -> Result<()> {
-    let device = B::Device::default();
+    let device = device_at::<B>(device_index);
+    let (rank, world) = (comm.rank(), comm.world_size());
     let mut trainer = match &resume {
         Some(dir) => {
             let t = Trainer::<B>::resume(setup, dir, &device)?;
-            eprintln!("resumed from `{}` at step {}", dir.display(), t.state.step);
+            if rank == 0 {
+                eprintln!("resumed from `{}` at step {}", dir.display(), t.state.step);
+            }
             t
         }
         None => Trainer::<B>::new(setup, &device)?,
-    };
-    let out = qerl_train::run(&mut trainer, options).context("training failed")?;
+    }
+    .with_communicator(comm);
+    let out = qerl_train::run(&mut trainer, options).with_context(|| match world {
+        1 => "training failed".to_string(),
+        _ => format!("training failed on rank {rank} of {world}"),
+    })?;
+    if rank != 0 {
+        return Ok(());
+    }
     if let Some(m) = out.metrics.last() {
         eprintln!(
             "step {}/{}: reward {:.3}, accuracy {:.3}, loss {:+.4}",

@@ -74,7 +74,37 @@ pub fn sample_groups<B: QerlBackend>(
         .iter()
         .flat_map(|(_, p)| std::iter::repeat_n(p.clone(), group_size))
         .collect();
-    let mut out = generate(model, &batch, config, Some(tokenizer)).context("rollout generation")?;
+    let out = generate(model, &batch, config, Some(tokenizer)).context("rollout generation")?;
+    groups_of(out, prompts, group_size, config, tokenizer)
+}
+
+/// [`sample_groups`] for a slice of a global batch whose first row is `first_row`: each row
+/// draws the random numbers of its global row ([`crate::rows::generate_rows`]), so the samples
+/// do not depend on how the batch is split across ranks. No stop strings.
+pub fn sample_groups_at<B: QerlBackend>(
+    model: &CausalLm<B>,
+    prompts: &[(usize, Vec<u32>)],
+    group_size: usize,
+    config: &GenerationConfig,
+    tokenizer: &Tokenizer,
+    first_row: usize,
+) -> Result<Vec<Group>> {
+    let batch: Vec<Vec<u32>> = prompts
+        .iter()
+        .flat_map(|(_, p)| std::iter::repeat_n(p.clone(), group_size))
+        .collect();
+    let out = crate::rows::generate_rows(model, &batch, config, first_row)
+        .context("rollout generation")?;
+    groups_of(out, prompts, group_size, config, tokenizer)
+}
+
+fn groups_of(
+    mut out: Vec<Completion>,
+    prompts: &[(usize, Vec<u32>)],
+    group_size: usize,
+    config: &GenerationConfig,
+    tokenizer: &Tokenizer,
+) -> Result<Vec<Group>> {
     let mut groups = Vec::with_capacity(prompts.len());
     for (example, prompt) in prompts {
         let completions: Vec<Completion> = out.drain(..group_size).collect();

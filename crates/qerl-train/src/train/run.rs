@@ -1,6 +1,10 @@
 //! The step loop of `qerl train`: metrics to `output_dir/metrics.jsonl` and a progress bar
 //! each step, checkpoints every `ckpt_interval` steps and at the end, `metrics.png` when the
 //! run ends, and a clean stop (checkpoint, then exit) on Ctrl-C.
+//!
+//! Under data parallelism every rank runs this loop; rank 0 alone writes (metrics, plot,
+//! checkpoints, progress bar). The metrics are already reduced over ranks by the trainer, and
+//! a stop seen by any rank (Ctrl-C) stops all of them at the same step.
 
 use std::path::PathBuf;
 
@@ -78,16 +82,21 @@ fn bar(total: usize, done: usize, show: bool) -> ProgressBar {
 /// Runs the trainer to `train.steps` (or until Ctrl-C / `max_steps`).
 pub fn run<B: TrainBackend>(trainer: &mut Trainer<B>, options: &RunOptions) -> Result<RunOutcome> {
     let c = trainer.config().clone();
+    let main = trainer.is_main();
     let out = &c.train.output_dir;
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create `{}`", out.display()))?;
     let metrics_path = out.join("metrics.jsonl");
     let plot_path = out.join("metrics.png");
-    let mut writer = open_metrics(&metrics_path, trainer.state.step)?;
-    if trainer.state.step == 0 {
-        std::fs::write(out.join("config.toml"), c.to_toml())?;
+    let mut writer = None;
+    if main {
+        std::fs::create_dir_all(out)
+            .with_context(|| format!("cannot create `{}`", out.display()))?;
+        writer = Some(open_metrics(&metrics_path, trainer.state.step)?);
+        if trainer.state.step == 0 {
+            std::fs::write(out.join("config.toml"), c.to_toml())?;
+        }
     }
     let total = c.train.steps;
-    let pb = bar(total, trainer.state.step, options.progress);
+    let pb = bar(total, trainer.state.step, options.progress && main);
     let mut outcome = RunOutcome {
         steps: trainer.state.step,
         checkpoint: None,
@@ -99,7 +108,7 @@ pub fn run<B: TrainBackend>(trainer: &mut Trainer<B>, options: &RunOptions) -> R
     let mut saved_at = None;
     let mut done_here = 0;
     while trainer.state.step < total {
-        if crate::signal::requested() {
+        if crate::dist::any(trainer.communicator(), crate::signal::requested())? {
             outcome.interrupted = true;
             break;
         }
@@ -108,13 +117,15 @@ pub fn run<B: TrainBackend>(trainer: &mut Trainer<B>, options: &RunOptions) -> R
         }
         let m = trainer.train_step()?;
         done_here += 1;
-        writer.write(&m)?;
+        if let Some(w) = writer.as_mut() {
+            w.write(&m)?;
+        }
         pb.set_position(trainer.state.step as u64);
         pb.set_message(format!(
             "reward {:.3} acc {:.2} loss {:+.4} kl {:.4} |g| {:.3} len {:.1} sigma {:.1e}",
             m.reward_mean, m.accuracy, m.loss, m.kl, m.grad_norm, m.completion_len_mean, m.sigma
         ));
-        if m.reward_failures > 0 {
+        if m.reward_failures > 0 && main {
             pb.println(format!(
                 "step {}: {} reward failures (scored 0)",
                 m.step, m.reward_failures
@@ -122,17 +133,19 @@ pub fn run<B: TrainBackend>(trainer: &mut Trainer<B>, options: &RunOptions) -> R
         }
         outcome.metrics.push(m);
         let step = trainer.state.step;
-        if c.train.ckpt_interval > 0 && step.is_multiple_of(c.train.ckpt_interval) {
+        if c.train.ckpt_interval > 0 && step.is_multiple_of(c.train.ckpt_interval) && main {
             outcome.checkpoint = Some(trainer.save_checkpoint()?);
             saved_at = Some(step);
         }
     }
-    if saved_at != Some(trainer.state.step) && (trainer.state.step > 0) {
+    if saved_at != Some(trainer.state.step) && (trainer.state.step > 0) && main {
         outcome.checkpoint = Some(trainer.save_checkpoint()?);
     }
     pb.finish_and_clear();
     outcome.steps = trainer.state.step;
-    let all = read_jsonl(&metrics_path)?;
-    plot_run(&all, &plot_path)?;
+    if main {
+        let all = read_jsonl(&metrics_path)?;
+        plot_run(&all, &plot_path)?;
+    }
     Ok(outcome)
 }

@@ -16,7 +16,7 @@ use qerl_model::{
     load, CausalLm, ChatTemplate, GenerationConfig, GenerationDefaults, LoadOptions, LoraSpec,
     QerlBackend, SamplingParams, Tokenizer,
 };
-use qerl_rl::advantage::{group_advantages, zero_std_fraction, DynamicBatch};
+use qerl_rl::advantage::{group_advantages, zero_std_fraction};
 use qerl_rl::data::{load_jsonl, Example, PromptSampler};
 use qerl_rl::metrics::StepMetrics;
 use qerl_rl::reward::RewardSet;
@@ -24,9 +24,11 @@ use qerl_rl::TrainConfig;
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::{self, TrainerState, CONFIG_FILE, OPTIMIZER_FILE};
+use crate::dist::{Communicator, Single};
+use crate::dp::{gather_f32, global_scores, shard, GlobalRounds, RoundReport};
 use crate::noise::{set_noise, step_noise};
 use crate::peft::{self, AdapterMeta, HostTensor, NORMS_FILE, PEFT_PREFIX};
-use crate::rollout::{encode_prompts, merge_scores, sample_groups, score_groups, Group};
+use crate::rollout::{encode_prompts, merge_scores, sample_groups_at, score_groups, Group};
 use crate::update::{update, TrainBatch, UpdateConfig, UpdateStats};
 
 /// A backend the trainer runs on: autodiff over a qerl backend.
@@ -84,7 +86,9 @@ pub fn mix(seed: u64, step: usize, stream: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The trainer.
+/// The trainer. Under data parallelism one per rank, each with its own copy of the policy:
+/// every rank samples the same global prompts, rolls out its shard of them, and applies the
+/// same all-reduced gradients, so all copies stay identical.
 pub struct Trainer<B: TrainBackend> {
     model: Option<CausalLm<B>>,
     optim: OptimizerAdaptor<AdamW, CausalLm<B>, B>,
@@ -94,6 +98,7 @@ pub struct Trainer<B: TrainBackend> {
     sampler: PromptSampler,
     pub state: TrainerState,
     generation: GenerationConfig,
+    comm: Box<dyn Communicator>,
 }
 
 impl<B: TrainBackend> Trainer<B> {
@@ -190,7 +195,23 @@ impl<B: TrainBackend> Trainer<B> {
             state,
             generation,
             setup,
+            comm: Box::new(Single),
         })
+    }
+
+    /// Makes this trainer one rank of a data-parallel group (the default is [`Single`]).
+    pub fn with_communicator(mut self, comm: Box<dyn Communicator>) -> Self {
+        self.comm = comm;
+        self
+    }
+
+    pub fn communicator(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+
+    /// Whether this rank logs and writes checkpoints (rank 0).
+    pub fn is_main(&self) -> bool {
+        self.comm.rank() == 0
     }
 
     /// [`new`](Self::new), then the adapter, norms, optimizer state and counters of a
@@ -265,42 +286,62 @@ impl<B: TrainBackend> Trainer<B> {
         };
         let max_len = c.rollout.max_completion_tokens;
         let overlong = c.loss.overlong_buffer(max_len);
-        let mut dyn_batch = DynamicBatch::<Group>::new(g, c.rollout.batch_prompts);
-        let (mut kept, mut parts) = (Vec::new(), Vec::new());
-        let (mut lengths, mut truncated, mut zero_std) = (Vec::new(), Vec::new(), 0.0);
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let mut dyn_batch = GlobalRounds::<Group>::new(g, c.rollout.batch_prompts);
+        let mut kept = Vec::new();
+        let mut reports = Vec::new();
+        let mut zero_std = 0.0;
         let mut rollout_time = 0.0f64;
         for round in 0..rounds {
+            // every rank draws the same global prompts and rolls out its contiguous shard
             let idx = self.sampler.next_batch(c.rollout.batch_prompts);
             self.state.prompts_consumed += idx.len();
-            let prompts: Vec<(usize, Vec<u32>)> =
-                idx.iter().map(|&i| (i, self.prompts[i].clone())).collect();
+            let mine = shard(idx.len(), rank, world);
+            let prompts: Vec<(usize, Vec<u32>)> = idx[mine.clone()]
+                .iter()
+                .map(|&i| (i, self.prompts[i].clone()))
+                .collect();
             let gen = GenerationConfig {
                 seed: mix(self.state.seed, step, 0x5A3 + round as u64),
                 ..self.generation.clone()
             };
             let t = Instant::now();
-            let mut groups = sample_groups(&inner, &prompts, g, &gen, &self.setup.tokenizer)?;
+            let mut groups = sample_groups_at(
+                &inner,
+                &prompts,
+                g,
+                &gen,
+                &self.setup.tokenizer,
+                mine.start * g,
+            )?;
             rollout_time += t.elapsed().as_secs_f64();
-            parts.push(score_groups(
+            let scores = score_groups(
                 &mut groups,
                 &self.answers,
                 &self.setup.rewards,
                 max_len,
                 overlong,
-            ));
+            );
+            let (mut lengths, mut truncated) = (Vec::new(), Vec::new());
             for grp in &groups {
                 lengths.extend(grp.completions.iter().map(|c| c.tokens.len()));
                 truncated.extend(grp.truncated());
             }
+            reports.push(RoundReport::new(scores, lengths, truncated));
+            let mine_rewards: Vec<f32> = groups.iter().flat_map(|x| x.rewards.clone()).collect();
+            let all = gather_f32(self.comm.as_ref(), &mine_rewards)?;
             if round == 0 {
-                let all: Vec<f32> = groups.iter().flat_map(|x| x.rewards.clone()).collect();
-                zero_std = zero_std_fraction(&all, g)?;
+                zero_std = zero_std_fraction(&all.concat(), g)?;
             }
             if dynamic {
-                dyn_batch.offer_round(groups.into_iter().map(|x| {
-                    let r = x.rewards.clone();
-                    (x, r)
-                }));
+                let offered = groups
+                    .into_iter()
+                    .map(|x| {
+                        let r = x.rewards.clone();
+                        (x, r)
+                    })
+                    .collect();
+                dyn_batch.offer_round(rank, offered, &all);
                 if dyn_batch.is_full() {
                     break;
                 }
@@ -311,7 +352,7 @@ impl<B: TrainBackend> Trainer<B> {
         let (mut groups_dropped, mut sampling_rounds) = (0, 1);
         if dynamic {
             let (groups, stats) = dyn_batch.take();
-            kept = groups.into_iter().map(|(x, _)| x).collect();
+            kept = groups;
             groups_dropped = stats.dropped_flat;
             sampling_rounds = stats.rounds;
         }
@@ -320,19 +361,19 @@ impl<B: TrainBackend> Trainer<B> {
         // The update.
         let lr = c.lr_schedule().lr(step);
         let mut stats = UpdateStats::default();
-        if !kept.is_empty() {
-            let rewards: Vec<f32> = kept.iter().flat_map(|x| x.rewards.clone()).collect();
-            let adv = group_advantages(&rewards, g, c.loss.advantage_kind())?;
-            let (mut prompts, mut comps, mut masked) = (Vec::new(), Vec::new(), Vec::new());
-            for grp in &kept {
-                for (comp, cut) in grp.completions.iter().zip(grp.truncated()) {
-                    prompts.push(grp.prompt.as_slice());
-                    comps.push((comp.tokens.as_slice(), comp.logprobs.as_slice()));
-                    masked.push(cut && c.loss.mask_truncated() || comp.tokens.is_empty());
-                }
-            }
-            let batch =
-                TrainBatch::new(&prompts, &comps, adv, &masked, self.generation.pad_token_id)?;
+        // the update runs on every rank when any rank kept groups (a rank without any
+        // still sums gradients and steps the optimizer)
+        let kept_anywhere = if world == 1 {
+            !kept.is_empty()
+        } else {
+            crate::dist::any(self.comm.as_ref(), !kept.is_empty())?
+        };
+        if kept_anywhere {
+            let batch = if kept.is_empty() {
+                TrainBatch::empty()
+            } else {
+                self.train_batch(&kept)?
+            };
             let train_noise = if c.aqn.rollouts_only {
                 None
             } else {
@@ -350,6 +391,7 @@ impl<B: TrainBackend> Trainer<B> {
                 tis_cap: c.loss.tis_cap,
                 lr,
                 train_noise,
+                comm: self.comm.as_ref(),
             };
             let result = update(model, &mut self.optim, &batch, &cfg, &mut stats);
             let mut model = result?;
@@ -357,6 +399,27 @@ impl<B: TrainBackend> Trainer<B> {
             self.model = Some(model);
         }
         self.state.step += 1;
+        if world > 1 {
+            // the update's statistics are sums of per-rank parts (global normaliser)
+            let mut v = [
+                stats.loss,
+                stats.clip_frac_low,
+                stats.clip_frac_high,
+                stats.kl,
+                stats.entropy,
+            ];
+            self.comm.all_reduce_sum(&mut v)?;
+            [
+                stats.loss,
+                stats.clip_frac_low,
+                stats.clip_frac_high,
+                stats.kl,
+                stats.entropy,
+            ] = v;
+            let times = gather_f32(self.comm.as_ref(), &[rollout_time as f32])?;
+            rollout_time = times.iter().map(|t| t[0] as f64).fold(0.0, f64::max);
+        }
+        let (parts, lengths, truncated) = global_scores(self.comm.as_ref(), reports)?;
 
         let mut m = StepMetrics {
             step,
@@ -380,6 +443,22 @@ impl<B: TrainBackend> Trainer<B> {
             lengths.iter().sum::<usize>() as f32 / rollout_time.max(1e-9) as f32;
         m.step_time_s = start.elapsed().as_secs_f32();
         Ok(m)
+    }
+
+    /// The training batch of this rank's kept groups, with their group advantages.
+    fn train_batch(&self, kept: &[Group]) -> Result<TrainBatch> {
+        let c = &self.setup.config;
+        let rewards: Vec<f32> = kept.iter().flat_map(|x| x.rewards.clone()).collect();
+        let adv = group_advantages(&rewards, c.rollout.group_size, c.loss.advantage_kind())?;
+        let (mut prompts, mut comps, mut masked) = (Vec::new(), Vec::new(), Vec::new());
+        for grp in kept {
+            for (comp, cut) in grp.completions.iter().zip(grp.truncated()) {
+                prompts.push(grp.prompt.as_slice());
+                comps.push((comp.tokens.as_slice(), comp.logprobs.as_slice()));
+                masked.push(cut && c.loss.mask_truncated() || comp.tokens.is_empty());
+            }
+        }
+        TrainBatch::new(&prompts, &comps, adv, &masked, self.generation.pad_token_id)
     }
 
     /// Writes `output_dir/checkpoint-<step>` atomically; returns its path.

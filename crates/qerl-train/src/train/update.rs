@@ -71,6 +71,23 @@ impl TrainBatch {
         })
     }
 
+    /// No rows: what a rank without samples in the global batch trains on (it still takes
+    /// part in the gradient all-reduce and the optimizer step).
+    pub fn empty() -> Self {
+        TrainBatch {
+            tokens: TokenBatch {
+                batch: 0,
+                len: 0,
+                ids: Vec::new(),
+                mask: Vec::new(),
+            },
+            targets: Vec::new(),
+            mask: Vec::new(),
+            logp_rollout: Vec::new(),
+            advantages: Vec::new(),
+        }
+    }
+
     pub fn rows(&self) -> usize {
         self.tokens.batch
     }
@@ -184,9 +201,13 @@ pub struct UpdateConfig<'a> {
     pub lr: f64,
     /// AQN noise of the training forward (`aqn.rollouts_only = false`), one vector per norm.
     pub train_noise: Option<&'a [Vec<f32>]>,
+    /// The ranks sharing the batch: the loss is normalised by the global batch and the
+    /// gradients summed over ranks before clipping ([`crate::dist::Single`]: this batch alone).
+    pub comm: &'a dyn crate::dist::Communicator,
 }
 
-/// `mu` optimizer steps on `batch`; returns the new model.
+/// `mu` optimizer steps on `batch` (this rank's part of the global batch); returns the new
+/// model. Every rank calls it, with an empty batch if it holds no samples.
 pub fn update<B>(
     mut model: CausalLm<B>,
     optim: &mut OptimizerAdaptor<AdamW, CausalLm<B>, B>,
@@ -198,10 +219,18 @@ where
     B: crate::trainer::TrainBackend,
 {
     let micro = batch.split(cfg.grad_accum);
-    let global = GlobalNormalizer {
+    let mut global = GlobalNormalizer {
         sequences: batch.rows(),
         tokens: batch.tokens_counted(),
     };
+    if cfg.comm.world_size() > 1 {
+        let mut counts = [batch.rows() as f32, batch.tokens_counted()];
+        cfg.comm.all_reduce_sum(&mut counts)?;
+        global = GlobalNormalizer {
+            sequences: counts[0] as usize,
+            tokens: counts[1],
+        };
+    }
     let device = model.device();
     // Old and reference log-probabilities before any update, without a graph.
     let needs_old = cfg.mu > 1;
@@ -257,6 +286,7 @@ where
             acc.accumulate(&model, grads);
         }
         let mut grads = acc.grads();
+        crate::dp::all_reduce_grads::<B, _>(&model, &mut grads, cfg.comm)?;
         let norm =
             qerl_rl::optim_schedule::clip_grad_norm::<B, _>(&model, &mut grads, cfg.grad_clip);
         stats.grad_norm = norm;
