@@ -36,6 +36,30 @@ impl Reward for Digits {
     }
 }
 
+/// [`Digits`], but 0 for every completion of the examples whose answer is `-`: their groups
+/// are flat, so DAPO's dynamic sampling drops and refills them.
+struct SomeFlat;
+
+impl Reward for SomeFlat {
+    fn name(&self) -> &str {
+        "some_flat"
+    }
+    fn score(&self, completion: &str, answer: &str) -> Result<f32, RewardError> {
+        if answer == "-" {
+            return Ok(0.0);
+        }
+        Digits.score(completion, answer)
+    }
+}
+
+fn digits() -> RewardSet {
+    RewardSet::new().with(Digits, 1.0)
+}
+
+fn some_flat() -> RewardSet {
+    RewardSet::new().with(SomeFlat, 1.0)
+}
+
 fn config(out: &Path, sets: &[&str]) -> TrainConfig {
     let text = format!(
         r#"
@@ -58,6 +82,9 @@ max_completion_tokens = 4
 [loss]
 kind = "dapo"
 mu = 2
+dynamic_sampling = true
+max_sampling_rounds = 3
+mask_truncated = false
 [optim]
 lr = 1e-2
 grad_accum = 2
@@ -86,7 +113,7 @@ ckpt_interval = 2
     c.resolved()
 }
 
-fn setup(config: TrainConfig) -> TrainSetup {
+fn setup(config: TrainConfig, rewards: RewardSet) -> TrainSetup {
     let tokenizer = qerl_model::Tokenizer::from_file(
         &root().join("tests/fixtures/tokenizers/tiny/tokenizer.json"),
     )
@@ -97,14 +124,14 @@ fn setup(config: TrainConfig) -> TrainSetup {
         .map(|(i, q)| Example {
             id: i.to_string(),
             question: q.to_string(),
-            answer: "0".into(),
+            answer: if i % 3 == 0 { "-" } else { "0" }.into(),
             solution: String::new(),
         })
         .collect();
     TrainSetup {
         config,
         tokenizer,
-        rewards: RewardSet::new().with(Digits, 1.0),
+        rewards,
         examples,
         chat: false,
     }
@@ -114,6 +141,7 @@ fn setup(config: TrainConfig) -> TrainSetup {
 fn run_world(
     world: usize,
     config: &TrainConfig,
+    rewards: fn() -> RewardSet,
     max_steps: &[Option<usize>],
 ) -> Vec<Result<RunOutcome, String>> {
     let comms = local_world(world, Duration::from_secs(120));
@@ -124,7 +152,7 @@ fn run_world(
             let c = config.clone();
             let max_steps = max_steps.get(rank).copied().flatten();
             std::thread::spawn(move || {
-                let mut t = Trainer::<Ad>::new(setup(c), &Default::default())
+                let mut t = Trainer::<Ad>::new(setup(c, rewards()), &Default::default())
                     .unwrap()
                     .with_communicator(Box::new(comm));
                 let options = RunOptions {
@@ -202,10 +230,10 @@ fn two_ranks_equal_one_and_resume_with_one() {
         tempfile::tempdir().unwrap(),
         tempfile::tempdir().unwrap(),
     );
-    let single = run_world(1, &config(one.path(), &[]), &[])
+    let single = run_world(1, &config(one.path(), &[]), some_flat, &[])
         .remove(0)
         .unwrap();
-    let mut ranks = run_world(2, &config(two.path(), &[]), &[]);
+    let mut ranks = run_world(2, &config(two.path(), &[]), some_flat, &[]);
     let rank1 = ranks.pop().unwrap().unwrap();
     let rank0 = ranks.pop().unwrap().unwrap();
     assert!(rank1.checkpoint.is_none(), "rank 1 writes nothing");
@@ -214,7 +242,14 @@ fn two_ranks_equal_one_and_resume_with_one() {
     let logged = qerl_rl::metrics::read_jsonl(&rank0.metrics_path).unwrap();
     assert_eq!(logged.len(), 3, "rank 0 logged each step once");
     let dropped: Vec<_> = single.metrics.iter().map(|m| m.groups_dropped).collect();
-    println!("groups dropped by dynamic sampling per step: {dropped:?}");
+    let rounds: Vec<_> = single.metrics.iter().map(|m| m.sampling_rounds).collect();
+    println!("dynamic sampling: groups dropped per step {dropped:?}, rounds {rounds:?}");
+    let norms: Vec<_> = single.metrics.iter().map(|m| m.grad_norm).collect();
+    println!("gradient norms per step: {norms:?}");
+    assert!(
+        dropped.iter().sum::<usize>() > 0,
+        "flat groups were dropped (and the ranks agreed on it)"
+    );
 
     let (a, b) = (
         trained(single.checkpoint.as_ref().unwrap()),
@@ -233,7 +268,7 @@ fn two_ranks_equal_one_and_resume_with_one() {
     // the 2-rank checkpoint of step 2 resumes with 1 rank and ends where 1 rank ends
     let ckpt2 = two.path().join("checkpoint-000002");
     let c = config(resumed.path(), &[]);
-    let mut t = Trainer::<Ad>::resume(setup(c), &ckpt2, &Default::default()).unwrap();
+    let mut t = Trainer::<Ad>::resume(setup(c, some_flat()), &ckpt2, &Default::default()).unwrap();
     assert_eq!(t.state.step, 2);
     let rest = run(&mut t, &RunOptions::default()).unwrap();
     assert_eq!(rest.steps, 3);
@@ -252,10 +287,10 @@ fn three_ranks_with_an_idle_rank_equal_one() {
         "train.steps=2",
     ];
     let (one, three) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let single = run_world(1, &config(one.path(), &sets), &[])
+    let single = run_world(1, &config(one.path(), &sets), digits, &[])
         .remove(0)
         .unwrap();
-    let ranks = run_world(3, &config(three.path(), &sets), &[]);
+    let ranks = run_world(3, &config(three.path(), &sets), digits, &[]);
     let ranks: Vec<RunOutcome> = ranks.into_iter().map(Result::unwrap).collect();
     for r in &ranks {
         assert_same_metrics(&single.metrics, &r.metrics);
@@ -273,7 +308,7 @@ fn a_rank_that_leaves_is_named_and_the_checkpoint_survives() {
     let out = tempfile::tempdir().unwrap();
     let c = config(out.path(), &["train.steps=4", "train.ckpt_interval=1"]);
     // rank 1 stops after one step (its thread ends: its communicator is dropped)
-    let results = run_world(2, &c, &[None, Some(1)]);
+    let results = run_world(2, &c, digits, &[None, Some(1)]);
     assert!(results[1].is_ok());
     let err = results[0].as_ref().unwrap_err();
     assert!(err.contains("rank 1 left the run"), "{err}");
@@ -284,7 +319,7 @@ fn a_rank_that_leaves_is_named_and_the_checkpoint_survives() {
             .trim(),
         "checkpoint-000001"
     );
-    let mut t = Trainer::<Ad>::resume(setup(c), &ckpt, &Default::default()).unwrap();
+    let mut t = Trainer::<Ad>::resume(setup(c, digits()), &ckpt, &Default::default()).unwrap();
     assert_eq!(t.state.step, 1);
     let rest = run(
         &mut t,
@@ -295,4 +330,38 @@ fn a_rank_that_leaves_is_named_and_the_checkpoint_survives() {
     )
     .unwrap();
     assert_eq!(rest.steps, 2);
+}
+
+#[test]
+fn rollout_rows_follow_the_global_batch() {
+    use qerl_model::{generate, load, GenerationConfig, LoadOptions, SamplingParams};
+    use qerl_train::rows::generate_rows;
+    let dir = root().join("tests/fixtures/compressed-tensors/qwen2_tied/nvfp4");
+    let model =
+        load::<qerl_nn::backends::Cpu>(&dir, &LoadOptions::default(), &Default::default()).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| (0..2 + i % 3).map(|j| 7 + 31 * i + j).collect())
+        .collect();
+    let config = GenerationConfig {
+        max_new_tokens: 6,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+        },
+        seed: 99,
+        ..GenerationConfig::default()
+    };
+    // first row 0: exactly qerl_model::generate
+    let whole = generate_rows(&model, &prompts, &config, 0).unwrap();
+    assert_eq!(whole, generate(&model, &prompts, &config, None).unwrap());
+    // a rank's slice draws what the same rows draw in the whole batch
+    let tail = generate_rows(&model, &prompts[2..], &config, 2).unwrap();
+    let tokens = |c: &[qerl_model::Completion]| -> Vec<Vec<u32>> {
+        c.iter().map(|x| x.tokens.clone()).collect()
+    };
+    assert_eq!(tokens(&tail), tokens(&whole[2..]));
+    // and not what rows numbered from 0 would draw
+    let unshifted = generate_rows(&model, &prompts[2..], &config, 0).unwrap();
+    assert_ne!(tokens(&unshifted), tokens(&whole[2..]));
 }
