@@ -73,6 +73,9 @@ fn gpu_present() -> bool {
 pub fn run(args: Args) -> Result<()> {
     let rank_env = RankEnv::from_env()?;
     anyhow::ensure!(args.gpus >= 1, "--gpus must be at least 1");
+    // also in the launcher: a Ctrl-C reaches every rank (same process group), which stop at
+    // the same step and checkpoint; the launcher keeps waiting for them
+    qerl_train::signal::install();
     if args.gpus > 1 && rank_env.is_none() {
         // the launcher: the ranks are this same command line with torchrun's variables set
         let program = std::env::current_exe().context("cannot find the qerl executable")?;
@@ -109,7 +112,6 @@ pub fn run(args: Args) -> Result<()> {
         TrainDevice::Auto => TrainDevice::Cpu,
         d => d,
     };
-    qerl_train::signal::install();
     let options = RunOptions {
         progress: !args.quiet,
         max_steps: args.max_steps,

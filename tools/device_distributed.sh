@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Data-parallel training on a 2-GPU machine (device kind nvidia-h200-x2): the same run on 1 GPU
+# and on 2 GPUs (`--gpus 2`, NCCL), their metrics and adapters compared; the 2-GPU checkpoint
+# of step 2 resumed on 1 GPU; a rank killed mid-run must end the other with a message naming it.
+#
+# The GPU machine has no Rust: build here, carry the binary (see docs/distributed.md):
+#   cargo build --release -p qerl-train --features cuda
+#   mkdir -p .device && cp target/release/qerl .device/qerl     # .device/ in .git/info/exclude
+# then, there, from the repository root (carry: .device):
+#   tools/device_distributed.sh .device/qerl [CONFIG] [STEPS]
+# Everything printed also lands in $OUT (dist.log, metrics of both runs).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 # NVLink multicast stays off on the shared machines (KINDS.md)
+bin=${1:?usage: tools/device_distributed.sh QERL_BINARY [CONFIG] [STEPS]}
+config=${2:-configs/tiny-cpu.toml}
+steps=${3:-4}
+out=${OUT:-/tmp/dist}
+mkdir -p "$out"
+exec > >(tee "$out/dist.log") 2>&1
+
+# cudarc loads libnccl.so at run time; the image has NCCL as the pip package nvidia-nccl-cu13
+nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+if [ -n "$nccl_lib" ] && [ -e "$nccl_lib/libnccl.so.2" ]; then
+  mkdir -p /tmp/nccl-lib && ln -sf "$nccl_lib/libnccl.so.2" /tmp/nccl-lib/libnccl.so
+  export LD_LIBRARY_PATH=/tmp/nccl-lib:$nccl_lib:${LD_LIBRARY_PATH:-}
+fi
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+echo "date: $(date -u +%F), config: $config, steps: $steps, NCCL from: ${nccl_lib:-system}"
+
+common=(--config "$config" --tokenizer tests/fixtures/tokenizers/tiny/tokenizer.json
+  --device cuda --quiet --set "train.steps=$steps" --set train.ckpt_interval=2
+  --dist-timeout 300)
+status=0
+timed() { # name, command...
+  local name=$1 t0 t1
+  shift
+  t0=$(date +%s.%N)
+  "$@"
+  local rc=$?
+  t1=$(date +%s.%N)
+  echo "== $name: exit $rc, $(python3 -c "print(f'{$t1-$t0:.1f}')") s"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+
+timed "1 GPU" "$bin" train "${common[@]}" --set "train.output_dir=\"$out/gpu1\""
+timed "2 GPUs" "$bin" train "${common[@]}" --gpus 2 --set "train.output_dir=\"$out/gpu2\""
+timed "2 GPUs, then resumed on 1 GPU from step 2" "$bin" train "${common[@]}" \
+  --resume "$out/gpu2/checkpoint-000002" --set "train.output_dir=\"$out/gpu2to1\""
+
+python3 - "$out" "$steps" <<'EOF'
+import json, sys
+from safetensors.numpy import load_file
+out, steps = sys.argv[1], int(sys.argv[2])
+def metrics(run):
+    return [json.loads(l) for l in open(f"{out}/{run}/metrics.jsonl")]
+a, b = metrics("gpu1"), metrics("gpu2")
+keys = ["reward_mean", "loss", "grad_norm", "kl", "entropy", "groups_dropped",
+        "completion_len_mean", "rollout_time_s", "step_time_s"]
+print("step | " + " | ".join(f"{k} (1 GPU / 2 GPUs)" for k in keys))
+for x, y in zip(a, b):
+    print(f"{x['step']} | " + " | ".join(f"{x[k]} / {y[k]}" for k in keys))
+ckpt = f"checkpoint-{steps:06d}"
+for other in ["gpu2", "gpu2to1"]:
+    worst = 0.0
+    for f in ["adapter_model.safetensors", "norms.safetensors"]:
+        t1, t2 = load_file(f"{out}/gpu1/{ckpt}/{f}"), load_file(f"{out}/{other}/{ckpt}/{f}")
+        assert t1.keys() == t2.keys(), f
+        worst = max([worst] + [float(abs(t1[k].astype("float64") - t2[k]).max()) for k in t1])
+    print(f"max |adapter/norm difference| gpu1 vs {other} at {ckpt}: {worst:.3e}")
+EOF
+[ $? -eq 0 ] || status=1
+
+# A rank that dies: kill rank 1 once step 1 is logged; rank 0 must end naming it, and the
+# checkpoint of step 2 (if written) must stay loadable.
+"$bin" train "${common[@]}" --gpus 2 --set "train.steps=8" --set train.ckpt_interval=1 \
+  --dist-timeout 60 --set "train.output_dir=\"$out/kill\"" > "$out/kill.log" 2>&1 &
+launcher=$!
+for _ in $(seq 600); do
+  [ -s "$out/kill/metrics.jsonl" ] && break
+  sleep 1
+done
+victim=
+for p in $(pgrep -P $launcher); do
+  if tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx RANK=1; then victim=$p; fi
+done
+echo "== killing rank 1 (pid $victim)"
+kill -9 "$victim"
+wait $launcher
+echo "== launcher exit $? (expected non-zero); its last lines:"
+tail -n 5 "$out/kill.log"
+grep -q "rank 1" "$out/kill.log" || { echo "the message does not name rank 1"; status=1; }
+echo "latest checkpoint: $(cat "$out/kill/latest" 2>/dev/null)"
+exit $status
