@@ -133,3 +133,49 @@ fn sft_makes_a_model_that_learns_and_loads_back() {
     assert_eq!(logits.dims(), [1, ids.len(), 300]);
     assert!(logits.into_data().iter::<f32>().all(|v| v.is_finite()));
 }
+
+/// Padding a training batch to a bucket length changes neither the loss nor the gradient's
+/// target set: padding is masked out of attention and of the loss.
+#[test]
+fn padding_to_a_bucket_leaves_the_loss_unchanged() {
+    use qerl_train::sft::{batch_loss, pad_length, SftExample};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = root.join("tests/fixtures/compressed-tensors/qwen2_tied/bf16");
+    let model =
+        load::<qerl_nn::backends::Cpu>(&dir, &LoadOptions::default(), &Default::default()).unwrap();
+    let examples = [
+        SftExample {
+            prompt: vec![5, 17, 300, 44],
+            completion: vec![9, 120, 7],
+        },
+        SftExample {
+            prompt: vec![8, 3],
+            completion: vec![77, 78, 79, 80, 81],
+        },
+    ];
+    let refs: Vec<&SftExample> = examples.iter().collect();
+    let prompts: Vec<&[u32]> = refs.iter().map(|e| e.prompt.as_slice()).collect();
+    let zeros = [vec![0.0; 3], vec![0.0; 5]];
+    let comps: Vec<(&[u32], &[f32])> = refs
+        .iter()
+        .zip(&zeros)
+        .map(|(e, z)| (e.completion.as_slice(), z.as_slice()))
+        .collect();
+    let tight = qerl_train::update::TrainBatch::new(&prompts, &comps, vec![0.0; 2], &[false; 2], 0)
+        .unwrap();
+    assert_eq!(tight.tokens.len, 7);
+    let padded = pad_length(tight.clone(), 16, 0);
+    assert_eq!(padded.tokens.len, 16);
+    assert_eq!(padded.tokens_counted(), tight.tokens_counted());
+    let value = |b| {
+        batch_loss(&model, &b)
+            .unwrap()
+            .into_data()
+            .iter::<f32>()
+            .next()
+            .unwrap()
+    };
+    let (a, b) = (value(tight), value(padded));
+    assert!((a - b).abs() < 1e-5 * a.abs().max(1.0), "{a} vs {b}");
+    assert!(a > 1.0, "a random model's cross-entropy: {a}");
+}
