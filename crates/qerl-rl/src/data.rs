@@ -101,7 +101,8 @@ pub struct FieldSpec {
     /// How to read the final answer out of the answer field.
     #[serde(default = "default_answer_format")]
     pub answer_format: AnswerFormat,
-    /// Optional field with an identifier (string or number); the line index otherwise.
+    /// Optional field with an identifier (string or number); the example's index where the
+    /// field is absent or not given.
     #[serde(default)]
     pub id: Option<String>,
 }
@@ -160,11 +161,17 @@ pub struct Example {
 }
 
 /// The repository's `data/` directory: `$QERL_DATA_DIR` when set, else the `data/` folder of
-/// the source tree this crate was built from.
+/// the source tree this crate was built from, else (a binary copied to another machine)
+/// `data/` under the current directory.
 pub fn data_dir() -> PathBuf {
-    match std::env::var_os("QERL_DATA_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data"),
+    if let Some(d) = std::env::var_os("QERL_DATA_DIR") {
+        return PathBuf::from(d);
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data");
+    if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("data")
     }
 }
 
@@ -285,9 +292,10 @@ pub fn load_jsonl(path: &Path, spec: &FieldSpec) -> Result<Vec<Example>, DataErr
         if answer.is_empty() {
             return Err(no_answer("empty answer"));
         }
+        // an identifier field the file does not have: the line's position, as with no field
         let id = match &spec.id {
-            Some(f) => field(f)?,
-            None => out.len().to_string(),
+            Some(f) if obj.get(f).is_some() => field(f)?,
+            _ => out.len().to_string(),
         };
         out.push(Example {
             id,
