@@ -31,6 +31,10 @@ pub struct Args {
     /// Force the CPU even when a GPU is present.
     #[arg(long)]
     pub cpu: bool,
+    /// Stop training after this many seconds (at a step boundary; the adapter of the last
+    /// step is evaluated), e.g. to fit a time slot.
+    #[arg(long)]
+    pub time_budget: Option<f64>,
 }
 
 /// The repository root: the current directory when it holds `models/tiny-math`, else the
@@ -90,9 +94,13 @@ pub fn run(args: Args) -> Result<()> {
     eprintln!("device: {}", if gpu { "CUDA" } else { "CPU" });
     if gpu {
         #[cfg(feature = "cuda")]
-        return go::<burn::backend::Autodiff<qerl_nn::backends::Cuda>>(config, &test_file);
+        return go::<burn::backend::Autodiff<qerl_nn::backends::Cuda>>(
+            config,
+            &test_file,
+            args.time_budget,
+        );
     }
-    go::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(config, &test_file)
+    go::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(config, &test_file, args.time_budget)
 }
 
 /// Greedy held-out accuracy (strict) of the NVFP4 model, with or without an adapter.
@@ -128,7 +136,7 @@ fn accuracy<B: qerl_model::QerlBackend>(
     Ok((r.tally.strict(), r.tally.questions))
 }
 
-fn go<B: TrainBackend>(config: TrainConfig, test_file: &Path) -> Result<()> {
+fn go<B: TrainBackend>(config: TrainConfig, test_file: &Path, budget: Option<f64>) -> Result<()> {
     let start = std::time::Instant::now();
     let (before, n) = accuracy::<B::InnerBackend>(&config, test_file, None)
         .context("evaluating the NVFP4 model before training")?;
@@ -139,7 +147,42 @@ fn go<B: TrainBackend>(config: TrainConfig, test_file: &Path) -> Result<()> {
     let setup = TrainSetup::from_config(config.clone(), None)?;
     let mut trainer = Trainer::<B>::new(setup, &B::Device::default())?;
     qerl_train::signal::install();
-    let out = qerl_train::run(&mut trainer, &RunOptions::default())?;
+    let out = match budget {
+        None => qerl_train::run(&mut trainer, &RunOptions::default())?,
+        // one step per call, so the run can stop at any step boundary (each call ends with a
+        // checkpoint of the adapter)
+        Some(secs) => {
+            let t = std::time::Instant::now();
+            let mut metrics = Vec::new();
+            loop {
+                let mut o = qerl_train::run(
+                    &mut trainer,
+                    &RunOptions {
+                        progress: false,
+                        max_steps: Some(1),
+                    },
+                )?;
+                metrics.append(&mut o.metrics);
+                if let Some(m) = metrics.last() {
+                    eprintln!(
+                        "step {}: reward {:.3} accuracy {:.3} entropy {:.3} ({:.0} s)",
+                        m.step,
+                        m.reward_mean,
+                        m.accuracy,
+                        m.entropy,
+                        t.elapsed().as_secs_f64()
+                    );
+                }
+                if o.steps >= config.train.steps
+                    || o.interrupted
+                    || t.elapsed().as_secs_f64() > secs
+                {
+                    o.metrics = metrics;
+                    break o;
+                }
+            }
+        }
+    };
     let adapter = out
         .checkpoint
         .clone()
