@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Baselines and the kernel table, on the GPU machine, in the same run as qerl-kernel-bench.
 
-    python3 benches/device_table.py --qerl qerl.json [--out table.md] [--models ...] [--m ...]
+    python3 benches/device_table.py --qerl qerl.json [--prev old.json] [--out table.md] [--models ...] [--m ...]
 
 Measures, with CUDA events (median of several batches, inputs rotated so repeated runs do not
 measure the cache): the device-to-device copy bandwidth (bytes read + written), the bf16 matmul
 peak (8192^3 through cuBLAS), and torch bf16 `x @ w.T` (cuBLAS) on every shape qerl-kernel-bench
-timed; then prints one markdown table per model with qerl's rows beside cuBLAS's.
+timed; then prints one markdown table per model with qerl's rows beside cuBLAS's, and where
+present the split-K, decode and previous-run (`--prev`, an earlier qerl.json) comparisons.
 """
 import argparse
 import json
@@ -65,6 +66,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--qerl", required=True)
     p.add_argument("--out")
+    p.add_argument("--prev", help="qerl.json of an earlier run, shown beside this one")
     p.add_argument("--models", default="qwen2.5-7b,qwen2.5-32b")
     p.add_argument("--m", default="1,4,16,64,256,1024,4096")
     a = p.parse_args()
@@ -75,6 +77,10 @@ def main():
     bw, peak = copy_bandwidth(), matmul_peak()
     lines.append(f"copy bandwidth (read + write): {bw:.2f} TB/s; cuBLAS bf16 8192^3: {peak:.0f} TFLOP/s")
     qerl = {(r["model"], r["layer"], r["kernel"], r["format"], r["m"]): r for r in rows}
+    prev = {}
+    if a.prev:
+        prev = {(r["model"], r["layer"], r["kernel"], r["format"], r["m"]): r for r in json.load(open(a.prev))}
+    cub = {}
     for model in a.models.split(","):
         lines.append("")
         lines.append(f"### {model}")
@@ -84,6 +90,7 @@ def main():
         for layer, n, k in SHAPES[model]:
             for m in ms_list:
                 us = cublas(m, n, k)
+                cub[(model, layer, m)] = us
                 tf = 2 * m * n * k / (us * 1e-6) / 1e12
                 q = qerl.get((model, layer, "matmul", "nvfp4", m))
                 mx = qerl.get((model, layer, "matmul", "mxfp4", m))
@@ -96,19 +103,22 @@ def main():
                     f"| {layer} | {m} | {us:.1f} | {tf:.1f} | {f(q)} | {f(q, 'tb_s', '{:.2f}')} | "
                     f"{f(q, 'tflop_s', '{:.1f}')} | {ratio} | {f(mx)} | {f(nf)} | {f(dx)} | {dx_ratio} |"
                 )
-    lora = [r for r in rows if r["kernel"].startswith("lora")]
+    lora = [r for r in rows if r["kernel"] in ("lora16", "lora32", "lora64")]
     if lora:
         lines.append("")
         lines.append("LoRA epilogue (lora_down + fused epilogue) over plain nvfp4 matmul:")
         lines.append("")
-        lines.append("| model | layer | M | rank | us | plain us | overhead |")
-        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        lines.append("| model | layer | M | rank | us | plain us | overhead | previous overhead |")
+        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in lora:
-            plain = qerl.get((r["model"], r["layer"], "matmul", "nvfp4", r["m"]))
+            key = (r["model"], r["layer"], "matmul", "nvfp4", r["m"])
+            plain = qerl.get(key)
+            old, old_plain = prev.get((r["model"], r["layer"], r["kernel"], "nvfp4", r["m"])), prev.get(key)
+            was = f"{100 * (old['us'] / old_plain['us'] - 1):.1f}%" if old and old_plain else "-"
             if plain:
                 lines.append(
                     f"| {r['model']} | {r['layer']} | {r['m']} | {r['kernel'][4:]} | {r['us']:.1f} | "
-                    f"{plain['us']:.1f} | {100 * (r['us'] / plain['us'] - 1):.1f}% |"
+                    f"{plain['us']:.1f} | {100 * (r['us'] / plain['us'] - 1):.1f}% | {was} |"
                 )
     old = [r for r in rows if r["kernel"] in ("matmul_old", "dx_old")]
     if old:
@@ -125,6 +135,59 @@ def main():
                     f"| {r['model']} | {r['layer']} | {kind} | {r['m']} | {r['us']:.1f} | {new['us']:.1f} | "
                     f"{r['us'] / new['us']:.1f}x | {new['tflop_s']:.1f} |"
                 )
+    nosplit = [r for r in rows if r["kernel"].endswith("_nosplit")]
+    if nosplit:
+        lines.append("")
+        lines.append("Split-K against the same kernels with split-K off, same run, nvfp4 (LoRA: rank 16, lora_down + product):")
+        lines.append("")
+        lines.append("| model | layer | product | M | no split us | split-K us | speed-up | split-K vs cuBLAS |")
+        lines.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in nosplit:
+            kind = r["kernel"][: -len("_nosplit")]
+            new = qerl.get((r["model"], r["layer"], kind, "nvfp4", r["m"]))
+            cb = cub.get((r["model"], r["layer"], r["m"]))
+            if new:
+                vs = f"{cb / new['us']:.2f}x" if cb and kind != "lora16" else "-"
+                lines.append(
+                    f"| {r['model']} | {r['layer']} | {kind} | {r['m']} | {r['us']:.1f} | {new['us']:.1f} | "
+                    f"{r['us'] / new['us']:.2f}x | {vs} |"
+                )
+    dec = [r for r in rows if r["kernel"] == "matmul" and r["format"] == "nvfp4" and r["m"] <= 16]
+    if dec:
+        lines.append("")
+        lines.append(f"Decode kernel (M <= 16), nvfp4: bandwidth against the {bw:.2f} TB/s copy bandwidth (target 80%)"
+                     + (", the previous run's kernel beside it" if prev else "")
+                     + "; at M = 16 also the tensor-core path (split-K) of this run:")
+        lines.append("")
+        lines.append("| model | layer | M | us | TB/s | of copy | vs cuBLAS | previous us | previous TB/s | tensor-core us |")
+        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in dec:
+            old = prev.get((r["model"], r["layer"], "matmul", "nvfp4", r["m"]))
+            tc = qerl.get((r["model"], r["layer"], "matmul_tc", "nvfp4", r["m"]))
+            cb = cub.get((r["model"], r["layer"], r["m"]))
+            vs = f"{cb / r['us']:.2f}x" if cb else "-"
+            lines.append(
+                f"| {r['model']} | {r['layer']} | {r['m']} | {r['us']:.1f} | {r['tb_s']:.2f} | "
+                f"{100 * r['tb_s'] / bw:.0f}% | {vs} | "
+                f"{old['us'] if old else float('nan'):.1f} | {old['tb_s'] if old else float('nan'):.2f} | "
+                f"{tc['us'] if tc else float('nan'):.1f} |"
+            )
+    if prev:
+        lines.append("")
+        lines.append("This run against the previous one (`--prev`), nvfp4, M > 16:")
+        lines.append("")
+        lines.append("| model | layer | product | M | previous us | now us | speed-up | now vs cuBLAS |")
+        lines.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            if r["kernel"] in ("matmul", "dx") and r["format"] == "nvfp4" and r["m"] > 16:
+                old = prev.get((r["model"], r["layer"], r["kernel"], "nvfp4", r["m"]))
+                cb = cub.get((r["model"], r["layer"], r["m"]))
+                if old:
+                    vs = f"{cb / r['us']:.2f}x" if cb else "-"
+                    lines.append(
+                        f"| {r['model']} | {r['layer']} | {r['kernel']} | {r['m']} | {old['us']:.1f} | {r['us']:.1f} | "
+                        f"{old['us'] / r['us']:.2f}x | {vs} |"
+                    )
     norms = [r for r in rows if r["kernel"] == "rmsnorm"]
     if norms:
         lines.append("")

@@ -33,7 +33,10 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "nvfp4,mxfp4,nf4")]
     formats: Vec<QuantFormat>,
     /// Kernels: matmul, dx, lora, dequant, rmsnorm; `old` also times matmul and dx with the
-    /// tensor-core path off (the portable tiled kernel) at the M listed in `--old-m`.
+    /// tensor-core path off (the portable tiled kernel) at the M listed in `--old-m`;
+    /// `nosplit` times matmul, dx and LoRA (rank 16) with split-K off at the M in `--old-m`
+    /// (nvfp4); `tc` times matmul at 8 < M <= 16 on the tensor-core path instead of the decode
+    /// kernel.
     #[arg(
         long,
         value_delimiter = ',',
@@ -254,6 +257,45 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                         })?;
                         push("dx_old", m, s, weight_bytes + io, flops);
                         gemm::use_tensor_cores(true);
+                    }
+                    if want("nosplit") && format == QuantFormat::Nvfp4 && args.old_m.contains(&m) {
+                        gemm::force_splits(Some(1));
+                        let dy = random_activations(&c, m * n, &mut rng);
+                        let dx = c.empty(m * k * 2);
+                        let s = time(&c, iters, reps, || {
+                            gemm::matmul::<R, F>(&c, &x, m, &w, None, None, &y).unwrap()
+                        })?;
+                        push("matmul_nosplit", m, s, weight_bytes + io, flops);
+                        let s = time(&c, iters, reps, || {
+                            gemm::matmul_transposed::<R, F>(&c, &dy, m, &w, &dx).unwrap()
+                        })?;
+                        push("dx_nosplit", m, s, weight_bytes + io, flops);
+                        if m >= 256 {
+                            let rank = 16;
+                            let a = random_activations(&c, rank * k, &mut rng);
+                            let b = random_activations(&c, n * rank, &mut rng);
+                            let t = c.empty(m * rank * 4);
+                            let s = time(&c, iters, reps, || {
+                                gemm::lora_down::<R, F>(&c, &x, &a, &t, m, k, rank).unwrap();
+                                let l = gemm::LoraEpilogue {
+                                    t: &t,
+                                    b: &b,
+                                    rank,
+                                    scale: 2.0,
+                                };
+                                gemm::matmul::<R, F>(&c, &x, m, &w, None, Some(l), &y).unwrap();
+                            })?;
+                            push("lora16_nosplit", m, s, weight_bytes + io, flops);
+                        }
+                        gemm::force_splits(None);
+                    }
+                    if want("tc") && format == QuantFormat::Nvfp4 && m > 8 && m <= 16 {
+                        gemm::set_decode_max_m(8);
+                        let s = time(&c, iters, reps, || {
+                            gemm::matmul::<R, F>(&c, &x, m, &w, None, None, &y).unwrap()
+                        })?;
+                        push("matmul_tc", m, s, weight_bytes + io, flops);
+                        gemm::set_decode_max_m(16);
                     }
                     if want("dx") && format == QuantFormat::Nvfp4 {
                         let dy = random_activations(&c, m * n, &mut rng);

@@ -4,6 +4,10 @@
 //!   `T = X·Aᵀ` from [`lora_down`]: the LoRA term is added in the epilogue, so `Y` is written once.
 //! * [`matmul_transposed`]: `dX[M,K] = dY[M,N] · deq(W)`, the backward product for dX.
 //!
+//! M <= 8 (16 where there are no tensor cores) goes to the decode kernel ([`crate::gemv`])
+//! where the runtime has warp operations;
+//! larger M to the tensor-core kernel ([`crate::gemm_tc`], with split-K when the output tiles
+//! do not fill the device) where it has `cmma`. The portable kernels below serve the rest.
 //! Both tile the output over a 16x16 cube, each unit owning a 2x2 patch, with the activation tile
 //! loaded as 4-wide vectors and the weight tile decoded from u32 words (8 codes each) into shared
 //! memory. Correct and simple; the fast sm_90 kernels are a separate piece of work.
@@ -13,6 +17,9 @@ use crate::gemm_tc::{TcEpilogue, TcProduct};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+pub use crate::gemv::{set_decode_max_m, DEFAULT_DECODE_MAX_M};
+pub use crate::splitk::force_splits;
+
 /// Output rows (M) per cube.
 const TILE_M: usize = 32;
 /// Output columns per cube.
@@ -20,7 +27,8 @@ const TILE_N: usize = 32;
 /// Reduction depth per shared-memory stage (one NVFP4 block).
 const TILE_K: usize = 16;
 /// Above this many rows, products go to the tensor-core kernel where the runtime has one
-/// ([`crate::gemm_tc`]); at or below it, the decode kernel or the tiled one.
+/// ([`crate::gemm_tc`]); `matmul` sends up to [`DEFAULT_DECODE_MAX_M`] rows to the decode
+/// kernel first.
 pub const TC_MIN_M: usize = 8;
 
 static TENSOR_CORES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
@@ -436,21 +444,11 @@ pub fn matmul<R: Runtime, F: Float>(
         Some(l) => (l.t.clone(), l.b.clone(), l.rank, l.scale),
         None => (weight.code_table.clone(), weight.code_table.clone(), 0, 0.0),
     };
-    if crate::gemv::applies(client, m, k) {
-        crate::gemv::launch::<R, F>(
-            client,
-            x,
-            m,
-            weight,
-            bias_h,
-            t_h,
-            b_h,
-            rank,
-            scale,
-            bias.is_some(),
-            lora.is_some(),
-            y,
-        );
+    if crate::gemv::applies(client, m, k, tensor_cores::<R, F>(client, m, k)) {
+        let l = lora
+            .as_ref()
+            .map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale));
+        crate::gemv::launch::<R, F>(client, x, m, weight, bias.cloned(), l, y);
         return Ok(());
     }
     if tensor_cores::<R, F>(client, m, k) {

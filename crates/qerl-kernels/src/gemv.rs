@@ -1,24 +1,52 @@
-//! Decode-time product for few rows (M <= 8): memory-bound, one plane (warp) per group of
-//! output columns.
+//! Decode-time product for few rows (M <= 8 by default, up to 16): memory-bound, one plane (warp) per group of
+//! `ROWS` output columns and one slice of the reduction.
 //!
-//! Every unit of a plane streams 16-byte chunks (4 u32 words, 32 codes) of the weight rows its
-//! plane owns, decodes them in registers through a 16-entry code table held in shared memory,
-//! and multiplies them with the matching 32 activations of each of the M rows; a plane sum then
-//! reduces the partial dot products. The activations are read once per chunk and reused for all
-//! the plane's weight rows. Needs plane (warp) operations and `K % 32 == 0`;
-//! [`crate::gemm::matmul`] falls back to the tiled kernel otherwise.
+//! Every unit of a plane reads 16-byte chunks (4 u32 words, 32 codes) of each of the plane's
+//! weight rows, `UNROLL` chunks per row at a time, so that `ROWS x UNROLL` 16-byte loads (and
+//! their scale words) are in flight before the first use. The codes are decoded in registers
+//! through a 16-entry table in shared memory (the 256 block-scale values of NVFP4/MXFP4 sit
+//! there too), and each activation vector (8 values of one of the M rows) is read once per word
+//! and reused for all the plane's rows. A plane sum reduces the partial dot products.
+//!
+//! When the planes alone would not fill the device (narrow N, deep K: o_proj, down_proj), the
+//! reduction is split into slices (the grid's y dimension): each slice writes f32 partial sums
+//! and [`crate::splitk::reduce`] adds them and applies the epilogue. Needs plane (warp)
+//! operations, 32-wide planes and `K % 32 == 0`; [`crate::gemm::matmul`] falls back otherwise.
 
-use crate::device::{block_scale, DeviceWeight};
+use crate::device::DeviceWeight;
 use crate::gemm::store_output;
+use crate::splitk::{self, ReduceEpilogue};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Weight rows (output columns) per plane.
-pub(crate) const ROWS: usize = 4;
+const ROWS: usize = 4;
+/// Chunks (16 bytes of codes) per row a unit loads before computing.
+const UNROLL: usize = 2;
 /// Planes per cube.
 const PLANES: u32 = 4;
-/// u32 words per unit load (16 bytes).
+/// u32 words per unit load (16 bytes, 32 codes).
 const WORDS: usize = 4;
+/// Fewest chunks per K-slice (two per unit).
+const MIN_SPLIT_CHUNKS: usize = 64;
+/// Planes per multiprocessor the split aims for (about 4 KiB of loads in flight each).
+const PLANES_PER_SM: usize = 16;
+
+/// Largest M the decode kernel takes.
+pub(crate) const MAX_M: usize = 16;
+/// Largest M sent to it by default: on an H100 (2026-11-22) the tensor-core path with split-K
+/// beat it at M = 16 on every Qwen2.5 shape (at M > 8 the CUDA-core FMAs bound it), while at
+/// M <= 8 it is the faster one.
+pub const DEFAULT_DECODE_MAX_M: usize = 8;
+static DECODE_MAX_M: AtomicUsize = AtomicUsize::new(DEFAULT_DECODE_MAX_M);
+
+/// Sets the largest M that goes to the decode kernel (at most 16; 0 turns it off), for tests
+/// and benchmarks. Default [`DEFAULT_DECODE_MAX_M`]; where the tensor-core path does not apply,
+/// M <= 16 always takes the decode kernel when it can.
+pub fn set_decode_max_m(max: usize) {
+    DECODE_MAX_M.store(max.min(MAX_M), Ordering::Relaxed);
+}
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -32,8 +60,10 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
     lora_t: &Array<f32>,
     lora_b: &Array<F>,
     y: &mut Array<F>,
+    part: &mut Array<f32>,
     n_cols: u32,
     k_dim: u32,
+    split_chunks: u32,
     rank: u32,
     lora_scale: f32,
     #[comptime] m_rows: usize,
@@ -41,11 +71,22 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
     #[comptime] byte_scales: bool,
     #[comptime] has_bias: bool,
     #[comptime] has_lora: bool,
+    #[comptime] split: bool,
+    #[comptime] plane: usize,
 ) {
     let mut lut = SharedMemory::<f32>::new(16usize);
+    let mut stab = SharedMemory::<f32>::new(256usize);
     let lane = UNIT_POS_X as usize;
-    if UNIT_POS_Y == 0 && lane < 16 {
-        lut[lane] = code_table[lane];
+    let tid = UNIT_POS_Y as usize * plane + lane;
+    if tid < 16 {
+        lut[tid] = code_table[tid];
+    }
+    if byte_scales {
+        let mut i = tid;
+        while i < 256 {
+            stab[i] = scale_table[i];
+            i += comptime!(plane * PLANES as usize);
+        }
     }
     sync_cube();
 
@@ -53,75 +94,129 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
     let k_dim = k_dim as usize;
     let n0 = (CUBE_POS_X as usize * PLANES as usize + UNIT_POS_Y as usize) * ROWS;
     let chunks = k_dim / (8 * WORDS);
-    // Activation vectors (8 wide) per row of x, and per chunk of 32 codes.
+    let c_begin = CUBE_POS_Y as usize * split_chunks as usize;
+    let c_end = min(c_begin + split_chunks as usize, chunks);
+    // Activation vectors (8 wide) per row of x.
     let x_row = k_dim / 8;
+    // Flat block index of a chunk's first element is (n*K + 32c) / block: blocks per row and
+    // per chunk (a chunk never straddles a u32 of scale bytes: K % 32 == 0, so for 16-element
+    // blocks the chunk's first block is even).
+    let row_elems = k_dim;
 
-    let mut acc = Array::<f32>::new(ROWS * m_rows);
+    let mut acc = Array::<f32>::new(comptime!(ROWS * m_rows));
     #[unroll]
     for i in 0..ROWS * m_rows {
         acc[i] = 0.0f32;
     }
+    let mut w_reg = Array::<Vector<u32, W>>::new(comptime!(ROWS * UNROLL));
+    let mut s_reg = Array::<u32>::new(comptime!(ROWS * UNROLL));
+    let mut s_val = Array::<f32>::new(comptime!(ROWS * UNROLL));
 
-    let mut c = lane;
-    while c < chunks {
+    let mut c = c_begin + lane;
+    while c < c_end {
+        // Issue every load of this step first.
         #[unroll]
-        for r in 0..ROWS {
-            let n = n0 + r;
-            if n < n_cols {
-                let words = codes[n * chunks + c];
+        for u in 0..UNROLL {
+            let cu = c + u * plane;
+            let cl = min(cu, c_end - 1);
+            #[unroll]
+            for r in 0..ROWS {
+                // Rows past N read the last row (in bounds) and are never stored.
+                let n = min(n0 + r, n_cols - 1);
+                w_reg[u * ROWS + r] = codes[n * chunks + cl];
+                let b = (n * row_elems + cl * 32) / block;
+                if byte_scales {
+                    s_reg[u * ROWS + r] = scale_bytes[b / 4] >> (((b % 4) * 8) as u32);
+                } else {
+                    s_val[u * ROWS + r] = scale_table[b];
+                }
+            }
+        }
+        #[unroll]
+        for u in 0..UNROLL {
+            let cu = c + u * plane;
+            if cu < c_end {
                 #[unroll]
                 for wi in 0..WORDS {
-                    // Flat word index, for the scale block.
-                    let w = (n * chunks + c) * WORDS + wi;
-                    let s = block_scale(scale_bytes, scale_table, w / (block / 8), byte_scales);
-                    let word = words[wi];
+                    // Decode word wi of each row: 8 values, times the block scale later.
+                    let mut wv = Array::<f32>::new(comptime!(ROWS * 8));
+                    let mut sv = Array::<f32>::new(ROWS);
                     #[unroll]
-                    for m in 0..m_rows {
-                        let xv = x[m * x_row + c * WORDS + wi];
-                        let mut dot = 0.0f32;
+                    for r in 0..ROWS {
+                        let word = w_reg[u * ROWS + r][wi];
                         #[unroll]
                         for i in 0..8usize {
-                            let code = (word >> (4 * i) as u32) & 0xfu32;
-                            dot += lut[code as usize] * f32::cast_from(xv[i]);
+                            wv[r * 8 + i] = lut[((word >> (4 * i) as u32) & 0xfu32) as usize];
                         }
-                        acc[r * m_rows + m] += dot * s;
+                        if byte_scales {
+                            // Second scale byte for the second half of a 16-element-block chunk.
+                            let shift = ((wi * 8 / block) * 8) as u32;
+                            sv[r] = stab[((s_reg[u * ROWS + r] >> shift) & 0xffu32) as usize];
+                        } else {
+                            sv[r] = s_val[u * ROWS + r];
+                        }
+                    }
+                    #[unroll]
+                    for m in 0..m_rows {
+                        let xv = x[m * x_row + cu * WORDS + wi];
+                        let mut xf = Array::<f32>::new(8usize);
+                        #[unroll]
+                        for i in 0..8usize {
+                            xf[i] = f32::cast_from(xv[i]);
+                        }
+                        #[unroll]
+                        for r in 0..ROWS {
+                            let mut dot = wv[r * 8] * xf[0];
+                            #[unroll]
+                            for i in 1..8usize {
+                                dot += wv[r * 8 + i] * xf[i];
+                            }
+                            acc[r * m_rows + m] += dot * sv[r];
+                        }
                     }
                 }
             }
         }
-        c += 32;
+        c += comptime!(plane * UNROLL);
     }
 
     let rank = rank as usize;
+    let out0 = CUBE_POS_Y as usize * m_rows * n_cols;
     #[unroll]
     for r in 0..ROWS {
         #[unroll]
         for m in 0..m_rows {
             let total = plane_sum(acc[r * m_rows + m]);
-            if lane == 0 {
-                store_output::<F>(
-                    total,
-                    m,
-                    n0 + r,
-                    bias,
-                    lora_t,
-                    lora_b,
-                    y,
-                    m_rows,
-                    n_cols,
-                    rank,
-                    lora_scale,
-                    has_bias,
-                    has_lora,
-                );
+            let n = n0 + r;
+            if lane == (r * m_rows + m) % plane {
+                if split {
+                    if n < n_cols {
+                        part[out0 + m * n_cols + n] = total;
+                    }
+                } else {
+                    store_output::<F>(
+                        total, m, n, bias, lora_t, lora_b, y, m_rows, n_cols, rank, lora_scale,
+                        has_bias, has_lora,
+                    );
+                }
             }
         }
     }
 }
 
 /// Whether [`launch`] can run this product on this client.
-pub(crate) fn applies<R: Runtime>(client: &ComputeClient<R>, m: usize, k: usize) -> bool {
-    m <= 8
+pub(crate) fn applies<R: Runtime>(
+    client: &ComputeClient<R>,
+    m: usize,
+    k: usize,
+    tensor_cores: bool,
+) -> bool {
+    let max = if tensor_cores {
+        DECODE_MAX_M.load(Ordering::Relaxed)
+    } else {
+        MAX_M
+    };
+    m <= max
         && k.is_multiple_of(8 * WORDS)
         && client
             .properties()
@@ -139,24 +234,43 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     x: &Handle,
     m: usize,
     weight: &DeviceWeight,
-    bias: Handle,
-    t: Handle,
-    b: Handle,
-    rank: usize,
-    scale: f32,
-    has_bias: bool,
-    has_lora: bool,
+    bias: Option<Handle>,
+    lora: Option<(Handle, Handle, usize, f32)>,
     y: &Handle,
 ) {
     let (n, k) = (weight.n, weight.k);
-    let cubes = n.div_ceil(ROWS * PLANES as usize) as u32;
-    // SAFETY: buffer sizes were checked by the caller; the kernel bounds columns by n, rows by
-    // the comptime m, and K is a multiple of 32 (checked by `applies`).
+    // 32 wherever `applies` holds; tests may run other widths.
+    let plane = client.properties().hardware.plane_size_max as usize;
+    let cubes = n.div_ceil(ROWS * PLANES as usize);
+    let planes = n.div_ceil(ROWS);
+    let target = PLANES_PER_SM * splitk::multiprocessors(client);
+    let (splits, per) = splitk::plan(planes, k / (8 * WORDS), target, MIN_SPLIT_CHUNKS);
+    let split = splits > 1;
+    let unused = weight.code_table.clone();
+    // Unsplit, `part` is never written: bound to the code table.
+    let part = if split {
+        splitk::workspace(client, splits, m, n)
+    } else {
+        unused.clone()
+    };
+    // Split: the epilogue runs in the reduction.
+    let (kb, kl) = if split {
+        (None, None)
+    } else {
+        (bias.clone(), lora.clone())
+    };
+    let has_bias = kb.is_some();
+    let has_lora = kl.is_some();
+    let bias_h = kb.unwrap_or_else(|| unused.clone());
+    let (t, b, rank, scale) = kl.unwrap_or_else(|| (unused.clone(), unused.clone(), 0, 0.0));
+    // SAFETY: buffer sizes were checked by the caller and the workspace holds splits*m*n f32;
+    // the kernel clamps weight rows to n and chunks to the reduction, bounds stores by n and the
+    // comptime m, and K is a multiple of 32 (checked by `applies`).
     unsafe {
         gemv_kernel::launch_unchecked::<F, R>(
             client,
-            CubeCount::Static(cubes, 1, 1),
-            CubeDim::new_2d(32, PLANES),
+            CubeCount::Static(cubes as u32, splits as u32, 1),
+            CubeDim::new_2d(plane as u32, PLANES),
             8,
             WORDS,
             ArrayArg::from_raw_parts(x.clone(), m * k / 8),
@@ -164,12 +278,14 @@ pub(crate) fn launch<R: Runtime, F: Float>(
             ArrayArg::from_raw_parts(weight.scale_bytes.clone(), weight.scale_words()),
             ArrayArg::from_raw_parts(weight.scale_table.clone(), weight.scale_table_len()),
             ArrayArg::from_raw_parts(weight.code_table.clone(), 16),
-            ArrayArg::from_raw_parts(bias, n),
+            ArrayArg::from_raw_parts(bias_h, n),
             ArrayArg::from_raw_parts(t, m * rank.max(1)),
             ArrayArg::from_raw_parts(b, n * rank.max(1)),
             ArrayArg::from_raw_parts(y.clone(), m * n),
+            ArrayArg::from_raw_parts(part.clone(), if split { splits * m * n } else { 16 }),
             n as u32,
             k as u32,
+            per as u32,
             rank as u32,
             scale,
             m,
@@ -177,6 +293,12 @@ pub(crate) fn launch<R: Runtime, F: Float>(
             weight.byte_scales(),
             has_bias,
             has_lora,
+            split,
+            plane,
         );
+    }
+    if split {
+        let epilogue = ReduceEpilogue { bias, lora };
+        splitk::reduce::<R, F, F>(client, part, splits, m, n, epilogue, y);
     }
 }

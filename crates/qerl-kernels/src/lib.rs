@@ -2,8 +2,9 @@
 //!
 //! * [`dequant`]: packed 4-bit weight + scales -> dense `[N, K]`.
 //! * [`gemm`]: W4A16 `Y[M,N] = X[M,K] · deq(W)[N,K]^T (+ bias) (+ s·(X·Aᵀ)·Bᵀ)`, the LoRA term
-//!   applied in the epilogue (for M <= 8 on devices with warp operations, a memory-bound
-//!   decode kernel, `gemv`); and the backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`.
+//!   applied in the epilogue (for M <= 8, or 16 without tensor cores, on devices with warp operations, a memory-bound
+//!   decode kernel, `gemv`; split-K where the output alone would not fill the device); and the
+//!   backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`.
 //! * [`rms_norm`]: fused noisy RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ (w + z)`, forward and backward.
 //!
 //! Every kernel accumulates in f32 whatever the activation type `F` (f32/f16 on wgpu, bf16 on
@@ -18,6 +19,7 @@ pub mod gemm;
 mod gemm_tc;
 mod gemv;
 pub mod rms_norm;
+mod splitk;
 
 pub use device::{DeviceWeight, KernelError};
 

@@ -304,19 +304,7 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
     }
     // The tensor-core path needs F x F -> f32 cmma; f32 (and wgpu) keep the tiled kernel, which
     // the other tests cover.
-    let ty = F::as_type_native_unchecked().storage_type();
-    if !c
-        .properties()
-        .features
-        .matmul
-        .cmma
-        .iter()
-        .any(|m| m.a_type == ty)
-    {
-        eprintln!(
-            "skipped: no cmma for {} on this device",
-            std::any::type_name::<F>()
-        );
+    if !has_cmma::<R, F>(&c) {
         return;
     }
     let (mut rng, seed) = fresh_rng();
@@ -404,6 +392,257 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
         }
         assert_close(
             &format!("tc dX {what}"),
+            &read::<R, F>(&c, &dx),
+            &want,
+            tol,
+            seed,
+        );
+    }
+}
+
+/// Resets the forced split count when a test ends, even by a panic.
+struct SplitGuard;
+
+impl SplitGuard {
+    fn force(splits: Option<usize>) -> SplitGuard {
+        gemm::force_splits(splits);
+        SplitGuard
+    }
+}
+
+impl Drop for SplitGuard {
+    fn drop(&mut self) {
+        gemm::force_splits(None);
+    }
+}
+
+/// Whether the tensor-core path serves `F` here (CUDA f16/bf16); prints a skip otherwise.
+fn has_cmma<R: Runtime, F: Float>(c: &ComputeClient<R>) -> bool {
+    let ty = F::as_type_native_unchecked().storage_type();
+    let ok = c
+        .properties()
+        .features
+        .matmul
+        .cmma
+        .iter()
+        .any(|m| m.a_type == ty);
+    if !ok {
+        eprintln!(
+            "skipped: no cmma for {} on this device",
+            std::any::type_name::<F>()
+        );
+    }
+    ok
+}
+
+/// Sends M <= 16 to the decode kernel while alive.
+struct DecodeGuard;
+
+impl DecodeGuard {
+    fn all() -> DecodeGuard {
+        gemm::set_decode_max_m(16);
+        DecodeGuard
+    }
+}
+
+impl Drop for DecodeGuard {
+    fn drop(&mut self) {
+        gemm::set_decode_max_m(gemm::DEFAULT_DECODE_MAX_M);
+    }
+}
+
+/// The decode kernel (M <= 16 where the runtime has 32-wide warps; elsewhere the tiled kernel):
+/// M from 1 to 16 with bias and LoRA, unsplit and with forced K-slices that do not divide the
+/// reduction (K/32 = 65 chunks into 3 and 7 slices), rows not a multiple of the plane's 4, and
+/// an automatic split (narrow N, deep K).
+pub fn matmul_decode<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) {
+        return;
+    }
+    let _decode = DecodeGuard::all();
+    let started = std::time::Instant::now();
+    let (mut rng, seed) = fresh_rng();
+    let cases = [
+        (QuantFormat::Nvfp4, 50, 2080),
+        (QuantFormat::Mxfp4, 36, 2080),
+        (QuantFormat::Nf4, 50, 2080),
+        // 7 planes' worth of rows over K/32 = 256 chunks: split automatically.
+        (QuantFormat::Nvfp4, 26, 8192),
+    ];
+    for (format, n, k) in cases {
+        let w = random_weight(&mut rng, format, n, k);
+        let dw = DeviceWeight::upload(&c, &w).unwrap();
+        let deq = w.dequantize();
+        for m in [1, 5, 9, 16] {
+            eprintln!(
+                "decode {format} N={n} K={k} M={m}: {:.1?}",
+                started.elapsed()
+            );
+            for forced in [None, Some(3), Some(7)] {
+                let _guard = SplitGuard::force(forced);
+                let rank = 8;
+                let x = normal(&mut rng, m * k, 1.0);
+                let bias = normal(&mut rng, n, 0.5);
+                let a = normal(&mut rng, rank * k, 0.05);
+                let b = normal(&mut rng, n * rank, 0.1);
+                let (xh, bh, ah, lbh) = (
+                    upload::<R, F>(&c, &x),
+                    upload::<R, F>(&c, &bias),
+                    upload::<R, F>(&c, &a),
+                    upload::<R, F>(&c, &b),
+                );
+                let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
+                gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
+                let y = poisoned::<R, F>(&c, m * n);
+                let lora = gemm::LoraEpilogue {
+                    t: &t,
+                    b: &lbh,
+                    rank,
+                    scale: 1.5,
+                };
+                gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), Some(lora), &y).unwrap();
+                let (ra, rb) = (rounded::<F>(&a), rounded::<F>(&b));
+                let lref = LoraRef {
+                    a: &ra,
+                    b: &rb,
+                    rank,
+                    scale: 1.5,
+                };
+                let want = matmul_ref(
+                    &rounded::<F>(&x),
+                    &deq,
+                    m,
+                    n,
+                    k,
+                    Some(&rounded::<F>(&bias)),
+                    Some(&lref),
+                );
+                let what = format!("decode {format} M={m} N={n} K={k} splits={forced:?}");
+                assert_close(&what, &read::<R, F>(&c, &y), &want, tol, seed);
+
+                // And without the epilogue, the plain product.
+                let y = poisoned::<R, F>(&c, m * n);
+                gemm::matmul::<R, F>(&c, &xh, m, &dw, None, None, &y).unwrap();
+                let want = matmul_ref(&rounded::<F>(&x), &deq, m, n, k, None, None);
+                assert_close(
+                    &format!("{what} plain"),
+                    &read::<R, F>(&c, &y),
+                    &want,
+                    tol,
+                    seed,
+                );
+            }
+        }
+    }
+}
+
+/// Split-K on the tensor-core path (CUDA f16/bf16): the forward product with bias, with LoRA
+/// (whose `lora_down` splits too), and dX, with K-slices that do not divide the reduction
+/// (forced 3 and 7 slices of 4128/32 = 129 stages), and automatic splits on narrow-N, deep-K
+/// shapes (a handful of output tiles).
+pub fn matmul_split_k<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) || !has_cmma::<R, F>(&c) {
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    // (format, M, N, K, forced splits)
+    let cases = [
+        (QuantFormat::Nvfp4, 40, 160, 4128, Some(3)),
+        (QuantFormat::Mxfp4, 17, 96, 4128, Some(7)),
+        (QuantFormat::Nf4, 70, 224, 4160, Some(7)),
+        (QuantFormat::Nvfp4, 33, 288, 6144, None),
+        (QuantFormat::Nvfp4, 150, 96, 4128, None),
+        // dX splits itself: 2048 / 32 = 64 stages over 4 output tiles.
+        (QuantFormat::Nvfp4, 33, 2048, 256, None),
+    ];
+    let started = std::time::Instant::now();
+    for (format, m, n, k, forced) in cases {
+        eprintln!(
+            "split-K {format} M={m} N={n} K={k}: {:.1?}",
+            started.elapsed()
+        );
+        let _guard = SplitGuard::force(forced);
+        let w = random_weight(&mut rng, format, n, k);
+        let dw = DeviceWeight::upload(&c, &w).unwrap();
+        let deq = w.dequantize();
+        let x = normal(&mut rng, m * k, 1.0);
+        let bias = normal(&mut rng, n, 0.5);
+        let rank = 24;
+        let a = normal(&mut rng, rank * k, 0.05);
+        let b = normal(&mut rng, n * rank, 0.1);
+        let (xh, bh, ah, lbh) = (
+            upload::<R, F>(&c, &x),
+            upload::<R, F>(&c, &bias),
+            upload::<R, F>(&c, &a),
+            upload::<R, F>(&c, &b),
+        );
+        let rx = rounded::<F>(&x);
+        let what = format!("split-K {format} M={m} N={n} K={k} splits={forced:?}");
+
+        let y = poisoned::<R, F>(&c, m * n);
+        gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), None, &y).unwrap();
+        let want = matmul_ref(&rx, &deq, m, n, k, Some(&rounded::<F>(&bias)), None);
+        assert_close(&what, &read::<R, F>(&c, &y), &want, tol, seed);
+
+        // lora_down alone: T = X·Aᵀ in f32.
+        let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
+        gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
+        let ra = rounded::<F>(&a);
+        let mut t_want = vec![0.0; m * rank];
+        for i in 0..m {
+            for j in 0..rank {
+                t_want[i * rank + j] = (0..k).map(|kk| rx[i * k + kk] * ra[j * k + kk]).sum();
+            }
+        }
+        let t_got: Vec<f64> = f32::from_bytes(&c.read_one(t.clone()).unwrap())
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        assert_close(&format!("{what} lora_down"), &t_got, &t_want, tol, seed);
+
+        let y = poisoned::<R, F>(&c, m * n);
+        let lora = gemm::LoraEpilogue {
+            t: &t,
+            b: &lbh,
+            rank,
+            scale: 2.0,
+        };
+        gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), Some(lora), &y).unwrap();
+        let rb = rounded::<F>(&b);
+        let lref = LoraRef {
+            a: &ra,
+            b: &rb,
+            rank,
+            scale: 2.0,
+        };
+        let want = matmul_ref(&rx, &deq, m, n, k, Some(&rounded::<F>(&bias)), Some(&lref));
+        assert_close(
+            &format!("{what} +LoRA"),
+            &read::<R, F>(&c, &y),
+            &want,
+            tol,
+            seed,
+        );
+
+        // dX: its reduction is N (a multiple of 32 here), its columns K.
+        let dy = normal(&mut rng, m * n, 1.0);
+        let dyh = upload::<R, F>(&c, &dy);
+        let dx = poisoned::<R, F>(&c, m * k);
+        gemm::matmul_transposed::<R, F>(&c, &dyh, m, &dw, &dx).unwrap();
+        let g = rounded::<F>(&dy);
+        let mut want = vec![0.0; m * k];
+        for i in 0..m {
+            for j in 0..n {
+                let gij = g[i * n + j];
+                for kk in 0..k {
+                    want[i * k + kk] += gij * deq[j * k + kk] as f64;
+                }
+            }
+        }
+        assert_close(
+            &format!("{what} dX"),
             &read::<R, F>(&c, &dx),
             &want,
             tol,
@@ -555,6 +794,10 @@ macro_rules! suite {
             fn matmul_lora_epilogue() { super::matmul_lora::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_tensor_cores() { super::matmul_tensor_cores::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn matmul_decode_split_k() { super::matmul_decode::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn matmul_tensor_cores_split_k() { super::matmul_split_k::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_transposed_all_formats() { super::matmul_transposed::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]

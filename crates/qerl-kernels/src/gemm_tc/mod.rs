@@ -13,13 +13,24 @@
 //! product. [`lora_down`] itself runs on the same kernel with a dense `F` operand in place of the
 //! packed weight (`dense_b`).
 //!
+//! Split-K: when the output tiles alone would give fewer than about two cubes per
+//! multiprocessor, the grid's third dimension splits the reduction into slices of whole stages;
+//! each slice writes f32 partial sums (the LoRA stages run in slice 0) and
+//! [`crate::splitk::reduce`] adds them and applies the bias. Whether a launch is split is a
+//! comptime flag, so unsplit launches carry no slice bookkeeping.
+//!
 //! Needs `cmma` for `F x F -> f32` at 16x16x16, 32-wide planes and `K % 32 == 0`
 //! ([`applies`]); CUDA with f16/bf16. Everything else keeps the portable tiled kernel.
+//! Tile configurations and the launch (with the split-K choice) are in [`launch`].
 
-use crate::device::DeviceWeight;
+mod launch;
+mod stage;
+
+pub(crate) use launch::{applies, launch, TcEpilogue, TcProduct};
+
+use cubecl::cmma;
 use cubecl::prelude::*;
-use cubecl::server::Handle;
-use cubecl::{cmma, features::MmaConfig};
+use stage::{compute_stage, decode_w, load_a, load_w, stage_lora, store_a};
 
 /// Reduction depth of one shared-memory stage.
 const BK: usize = 32;
@@ -29,170 +40,6 @@ const KV: usize = BK / 8;
 /// 16-byte row reads of the fragment loads).
 const SROW: usize = KV + 1;
 const SROW_ELEMS: u32 = (SROW * 8) as u32;
-
-/// A tile configuration: planes along M and N, 16x16 fragments per plane along M and N.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Tiles {
-    pub warps_m: usize,
-    pub warps_n: usize,
-    pub frags_m: usize,
-    pub frags_n: usize,
-}
-
-impl Tiles {
-    pub fn bm(&self) -> usize {
-        self.warps_m * self.frags_m * 16
-    }
-    pub fn bn(&self) -> usize {
-        self.warps_n * self.frags_n * 16
-    }
-    pub fn threads(&self) -> usize {
-        32 * self.warps_m * self.warps_n
-    }
-}
-
-/// 128x128 output per cube, 8 planes of 64x32.
-const BIG: Tiles = Tiles {
-    warps_m: 2,
-    warps_n: 4,
-    frags_m: 4,
-    frags_n: 2,
-};
-/// 64x128, 8 planes of 32x32.
-const MID: Tiles = Tiles {
-    warps_m: 2,
-    warps_n: 4,
-    frags_m: 2,
-    frags_n: 2,
-};
-/// 32x128, 4 planes of 32x32 (few rows).
-const SMALL: Tiles = Tiles {
-    warps_m: 1,
-    warps_n: 4,
-    frags_m: 2,
-    frags_n: 2,
-};
-
-/// The largest configuration that still gives every multiprocessor about two cubes.
-pub(crate) fn pick_tiles(m: usize, n: usize) -> Tiles {
-    let cubes = |t: Tiles| m.div_ceil(t.bm()) * n.div_ceil(t.bn());
-    if cubes(BIG) >= 264 {
-        BIG
-    } else if m > 32 && cubes(MID) >= 132 {
-        MID
-    } else {
-        SMALL
-    }
-}
-
-/// Whether the tensor-core path can run a product with reduction depth `k` in `F` here.
-pub(crate) fn applies<R: Runtime, F: Float>(client: &ComputeClient<R>, k: usize) -> bool {
-    let props = client.properties();
-    let ty = F::as_type_native_unchecked().storage_type();
-    let cfg = MmaConfig {
-        a_type: ty,
-        b_type: ty,
-        cd_type: f32::as_type_native_unchecked().storage_type(),
-        m: 16,
-        n: 16,
-        k: 16,
-    };
-    k.is_multiple_of(BK)
-        && props.features.matmul.cmma.contains(&cfg)
-        && props.hardware.plane_size_min == 32
-        && props.hardware.plane_size_max == 32
-}
-
-/// Loads one stage's global data into registers: `BM x BK` activations and, for the weight, the
-/// packed words and raw scales (or dense `F` rows).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_a<F: Float, V: Size>(
-    src: &Array<Vector<F, V>>,
-    regs: &mut Array<Vector<F, V>>,
-    row0: usize,
-    rows: usize,
-    k_vecs: usize,
-    kt: usize,
-    tid: usize,
-    #[comptime] iters: usize,
-    #[comptime] threads: usize,
-) {
-    #[unroll]
-    for i in 0..iters {
-        let idx = tid + i * threads;
-        let r = idx / KV;
-        let row = row0 + r;
-        let mut v = Vector::<F, V>::new(F::new(0.0));
-        if row < rows {
-            v = src[row * k_vecs + kt * KV + idx % KV];
-        }
-        regs[i] = v;
-    }
-}
-
-/// Stores the register copy of a dense tile into stage buffer `dst` at vector offset `base`.
-#[cube]
-fn store_a<F: Float, V: Size>(
-    regs: &Array<Vector<F, V>>,
-    dst: &mut SharedMemory<Vector<F, V>>,
-    base: usize,
-    tid: usize,
-    #[comptime] iters: usize,
-    #[comptime] threads: usize,
-) {
-    #[unroll]
-    for i in 0..iters {
-        let idx = tid + i * threads;
-        dst[base + (idx / KV) * SROW + idx % KV] = regs[i];
-    }
-}
-
-/// One stage of `cmma`s from buffers at vector offsets `a_base`, `b_base`. The B tile is read
-/// with fragment step `b_frag_step` and depth step `b_k_step` (vectors) and row stride
-/// `b_stride` (elements).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn compute_stage<F: Float, V: Size>(
-    a_s: &SharedMemory<Vector<F, V>>,
-    b_s: &SharedMemory<Vector<F, V>>,
-    a_base: usize,
-    b_base: usize,
-    a_frag: &Sequence<cmma::Matrix<F>>,
-    b_frag: &Sequence<cmma::Matrix<F>>,
-    acc: &Sequence<cmma::Matrix<f32>>,
-    #[comptime] frags_m: usize,
-    #[comptime] frags_n: usize,
-    #[comptime] b_frag_step: usize,
-    #[comptime] b_k_step: usize,
-    #[comptime] b_stride: u32,
-) {
-    let b_row = comptime!(b_stride as usize / 8);
-    #[unroll]
-    for kk in 0..BK / 16 {
-        #[unroll]
-        for fm in 0..frags_m {
-            let start = a_base + fm * 16 * SROW + kk * 2;
-            let sl = a_s.slice(start, start + 15 * SROW + 2);
-            cmma::load(a_frag.index(fm), &sl, SROW_ELEMS);
-        }
-        #[unroll]
-        for fn_ in 0..frags_n {
-            let start = b_base + fn_ * b_frag_step + kk * b_k_step;
-            // 16 rows of 16 elements (2 vectors), `b_row` vectors apart.
-            let sl = b_s.slice(start, start + 15 * b_row + 2);
-            cmma::load(b_frag.index(fn_), &sl, b_stride);
-        }
-        #[unroll]
-        for fm in 0..frags_m {
-            #[unroll]
-            for fn_ in 0..frags_n {
-                let c = acc.index(fm * frags_n + fn_);
-                cmma::execute::<F, F, f32, f32>(a_frag.index(fm), b_frag.index(fn_), c, c);
-            }
-        }
-    }
-}
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -211,6 +58,7 @@ fn gemm_tc_kernel<F: Float, O: Float, V: Size, W: Size>(
     n_cols: u32,
     red_dim: u32,
     w_k: u32,
+    split_tiles: u32,
     rank: u32,
     lora_scale: f32,
     #[comptime] warps_m: usize,
@@ -224,6 +72,7 @@ fn gemm_tc_kernel<F: Float, O: Float, V: Size, W: Size>(
     #[comptime] transposed: bool,
     #[comptime] has_bias: bool,
     #[comptime] has_lora: bool,
+    #[comptime] split: bool,
 ) {
     let bm = comptime!(warps_m * frags_m * 16);
     let bn = comptime!(warps_n * frags_n * 16);
@@ -343,13 +192,26 @@ fn gemm_tc_kernel<F: Float, O: Float, V: Size, W: Size>(
     if transposed {
         b_base_w = wn * frags_n * 2;
     }
+    // This cube's slice of the reduction: stages kt0 .. kt0 + tiles (the whole of it unsplit;
+    // `split` is comptime so that unsplit launches carry no slice bookkeeping in registers).
     let k_tiles = red_vecs / KV;
+    let mut kt0 = 0usize;
+    let mut tiles = k_tiles;
+    let mut out0 = 0usize;
+    if split {
+        let z = CUBE_POS_Z as usize;
+        kt0 = z * split_tiles as usize;
+        let kt_end = min(kt0 + split_tiles as usize, k_tiles);
+        tiles = kt_end - min(kt0, kt_end);
+        out0 = z * m_rows * n_cols;
+    }
 
-    for kt in 0..k_tiles + 1 {
-        // Iteration kt computes stage kt - 1 and fetches stage kt: its global loads are issued
+    for it in 0..tiles + 1 {
+        // Iteration it computes stage it - 1 and fetches stage it: its global loads are issued
         // before the cmmas, decoded into the other buffer after them.
-        let cur = (kt + 1) % 2;
-        let fetch = kt < k_tiles;
+        let kt = kt0 + it;
+        let cur = (it + 1) % 2;
+        let fetch = it < tiles;
         if fetch {
             load_a::<F, V>(
                 x, &mut a_reg, m0, m_rows, red_vecs, kt, tid, a_iters, threads,
@@ -380,7 +242,7 @@ fn gemm_tc_kernel<F: Float, O: Float, V: Size, W: Size>(
                 );
             }
         }
-        if kt > 0 {
+        if it > 0 {
             compute_stage::<F, V>(
                 &a_s,
                 &b_s,
@@ -397,7 +259,7 @@ fn gemm_tc_kernel<F: Float, O: Float, V: Size, W: Size>(
             );
         }
         if fetch {
-            let nxt = kt % 2;
+            let nxt = it % 2;
             store_a::<F, V>(&a_reg, &mut a_s, nxt * bm * SROW, tid, a_iters, threads);
             if dense_b {
                 store_a::<F, V>(&d_reg, &mut b_s, nxt * b_stage, tid, b_iters, threads);
@@ -419,36 +281,44 @@ fn gemm_tc_kernel<F: Float, O: Float, V: Size, W: Size>(
     }
 
     if has_lora {
-        // s·T[M, r] against B[N, r]: extra zero-padded stages through buffer 0.
-        let rank = rank as usize;
-        for rt in 0..rank.div_ceil(BK) {
-            stage_lora::<F, V, f32>(
-                lora_t, &mut a_s, m0, m_rows, rank, rt, lora_scale, tid, bm, threads,
-            );
-            stage_lora::<F, V, F>(
-                lora_b, &mut b_s, n0, n_cols, rank, rt, 1.0f32, tid, bn, threads,
-            );
-            sync_cube();
-            compute_stage::<F, V>(
-                &a_s,
-                &b_s,
-                a_base_w,
-                b_base_w,
-                &a_frag,
-                &b_frag,
-                &acc,
-                frags_m,
-                frags_n,
-                b_frag_step,
-                b_k_step,
-                b_stride,
-            );
-            sync_cube();
+        // s·T[M, r] against B[N, r]: extra zero-padded stages through buffer 0 (in slice 0
+        // when split).
+        let mut here = true;
+        if split {
+            here = CUBE_POS_Z == 0;
+        }
+        if here {
+            let rank = rank as usize;
+            for rt in 0..rank.div_ceil(BK) {
+                stage_lora::<F, V, f32>(
+                    lora_t, &mut a_s, m0, m_rows, rank, rt, lora_scale, tid, bm, threads,
+                );
+                stage_lora::<F, V, F>(
+                    lora_b, &mut b_s, n0, n_cols, rank, rt, 1.0f32, tid, bn, threads,
+                );
+                sync_cube();
+                compute_stage::<F, V>(
+                    &a_s,
+                    &b_s,
+                    a_base_w,
+                    b_base_w,
+                    &a_frag,
+                    &b_frag,
+                    &acc,
+                    frags_m,
+                    frags_n,
+                    b_frag_step,
+                    b_k_step,
+                    b_stride,
+                );
+                sync_cube();
+            }
         }
     }
 
     // Epilogue: each plane stores one fragment at a time into its 16x16 f32 patch of `stage`,
-    // then each lane writes 8 consecutive outputs of one row.
+    // then each lane writes 8 consecutive outputs of one row (of this slice's `[M, N]` block
+    // when split).
     let patch = warp * 256;
     let row = lane / 2;
     let col = (lane % 2) * 8;
@@ -475,235 +345,11 @@ fn gemm_tc_kernel<F: Float, O: Float, V: Size, W: Size>(
                         if has_bias {
                             v += f32::cast_from(bias[n]);
                         }
-                        y[m * n_cols + n] = O::cast_from(v);
+                        y[out0 + m * n_cols + n] = O::cast_from(v);
                     }
                 }
             }
             sync_plane();
         }
-    }
-}
-
-/// Loads `words` packed words from word `w0` (if `valid`) and the raw scale of each word.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_w<W: Size>(
-    codes: &Array<Vector<u32, W>>,
-    scale_bytes: &Array<u32>,
-    scale_table: &Array<f32>,
-    s_raw: &mut Array<u32>,
-    s_val: &mut Array<f32>,
-    w0: usize,
-    valid: bool,
-    #[comptime] words: usize,
-    #[comptime] block: usize,
-    #[comptime] byte_scales: bool,
-) -> Vector<u32, W> {
-    let mut v = Vector::<u32, W>::new(0u32);
-    if valid {
-        v = codes[w0 / words];
-        #[unroll]
-        for j in 0..words {
-            let b = (w0 + j) / (block / 8);
-            if byte_scales {
-                s_raw[j] = (scale_bytes[b / 4] >> (((b % 4) * 8) as u32)) & 0xffu32;
-            } else {
-                s_val[j] = scale_table[b];
-            }
-        }
-    } else {
-        // Outside the weight: zeros, and in-range table indices.
-        #[unroll]
-        for j in 0..words {
-            s_raw[j] = 0u32;
-            s_val[j] = 0.0f32;
-        }
-    }
-    v
-}
-
-/// Decodes the registers of [`load_w`] into `words` 8-wide vectors of `F` at `dst[base ..]`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn decode_w<F: Float, V: Size, W: Size>(
-    w_reg: &Vector<u32, W>,
-    s_raw: &Array<u32>,
-    s_val: &Array<f32>,
-    lut: &SharedMemory<f32>,
-    stab: &SharedMemory<f32>,
-    dst: &mut SharedMemory<Vector<F, V>>,
-    base: usize,
-    #[comptime] words: usize,
-    #[comptime] byte_scales: bool,
-) {
-    #[unroll]
-    for j in 0..words {
-        let s = if byte_scales {
-            stab[s_raw[j] as usize]
-        } else {
-            s_val[j]
-        };
-        let word = w_reg[j];
-        let mut v = Vector::<F, V>::empty();
-        #[unroll]
-        for i in 0..8usize {
-            let code = (word >> (4 * i) as u32) & 0xfu32;
-            v[i] = F::cast_from(lut[code as usize] * s);
-        }
-        dst[base + j] = v;
-    }
-}
-
-/// Stages columns `rt*BK ..` of a row-major `[rows, rank]` matrix (times `scale`, zero past the
-/// rank and the rows) into buffer 0 of `dst`, rows `row0 ..`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn stage_lora<F: Float, V: Size, E: Float>(
-    src: &Array<E>,
-    dst: &mut SharedMemory<Vector<F, V>>,
-    row0: usize,
-    rows: usize,
-    rank: usize,
-    rt: usize,
-    scale: f32,
-    tid: usize,
-    #[comptime] tile_rows: usize,
-    #[comptime] threads: usize,
-) {
-    #[unroll]
-    for it in 0..comptime!(tile_rows * KV / threads) {
-        let idx = tid + it * threads;
-        let r = idx / KV;
-        let c0 = rt * BK + (idx % KV) * 8;
-        let row = row0 + r;
-        let mut v = Vector::<F, V>::empty();
-        #[unroll]
-        for i in 0..8usize {
-            let c = c0 + i;
-            let mut e = 0.0f32;
-            if row < rows && c < rank {
-                e = f32::cast_from(src[row * rank + c]) * scale;
-            }
-            v[i] = F::cast_from(e);
-        }
-        dst[r * SROW + idx % KV] = v;
-    }
-}
-
-/// What [`launch`] computes.
-pub(crate) enum TcProduct<'a> {
-    /// `Y[M, N] = X[M, K] · deq(W)ᵀ`, bias and LoRA optional.
-    Forward(&'a DeviceWeight),
-    /// `dX[M, K] = dY[M, N] · deq(W)`.
-    Transposed(&'a DeviceWeight),
-    /// `Y[M, n] = X[M, K] · D[n, K]ᵀ` with a dense row-major `D` (the LoRA down-projection).
-    Dense { d: &'a Handle, n: usize, k: usize },
-}
-
-/// Optional epilogue inputs of [`launch`]; unused ones are bound to a buffer never read.
-pub(crate) struct TcEpilogue {
-    pub bias: Option<Handle>,
-    pub lora: Option<(Handle, Handle, usize, f32)>,
-}
-
-/// Launches the tensor-core product; the caller has checked buffers and [`applies`] (and, for
-/// `Transposed`, `N % 32 == 0`). `x` holds `M x reduction` elements of `F`, `y` receives
-/// `M x columns` elements of `O`.
-pub(crate) fn launch<R: Runtime, F: Float, O: Float>(
-    client: &ComputeClient<R>,
-    x: &Handle,
-    m: usize,
-    product: TcProduct<'_>,
-    epilogue: TcEpilogue,
-    y: &Handle,
-) {
-    // (output columns, reduction length, weight K)
-    let (cols, red, wk) = match &product {
-        TcProduct::Forward(w) => (w.n, w.k, w.k),
-        TcProduct::Transposed(w) => (w.k, w.n, w.k),
-        TcProduct::Dense { n, k, .. } => (*n, *k, *k),
-    };
-    let tiles = pick_tiles(m, cols);
-    let words = KV * tiles.bn() / tiles.threads();
-    let count = CubeCount::Static(
-        cols.div_ceil(tiles.bn()) as u32,
-        m.div_ceil(tiles.bm()) as u32,
-        1,
-    );
-    let unused = x.clone();
-    let (w, dense, dense_b, transposed) = match &product {
-        TcProduct::Forward(w) => (Some(*w), unused.clone(), false, false),
-        TcProduct::Transposed(w) => (Some(*w), unused.clone(), false, true),
-        TcProduct::Dense { d, .. } => (None, (*d).clone(), true, false),
-    };
-    let dense_len = if dense_b { cols * red / 8 } else { m * red / 8 };
-    let (codes, codes_len, sb, sbl, st, stl, ct, block, byte_scales) = match w {
-        Some(w) => (
-            w.codes.clone(),
-            w.words() / words,
-            w.scale_bytes.clone(),
-            w.scale_words(),
-            w.scale_table.clone(),
-            w.scale_table_len(),
-            w.code_table.clone(),
-            w.block(),
-            w.byte_scales(),
-        ),
-        None => (
-            unused.clone(),
-            1,
-            unused.clone(),
-            1,
-            unused.clone(),
-            1,
-            unused.clone(),
-            16,
-            true,
-        ),
-    };
-    let has_bias = epilogue.bias.is_some();
-    let bias = epilogue.bias.unwrap_or_else(|| unused.clone());
-    let has_lora = epilogue.lora.is_some();
-    let (t, lb, rank, scale) = epilogue
-        .lora
-        .unwrap_or_else(|| (unused.clone(), unused.clone(), 0, 0.0));
-    // SAFETY: buffer sizes were checked by the caller; every global read is bounded by the m
-    // rows, the weight's rows and columns and the reduction length (a multiple of BK, checked by
-    // `applies`), every write by m and the output columns.
-    unsafe {
-        gemm_tc_kernel::launch_unchecked::<F, O, R>(
-            client,
-            count,
-            CubeDim::new_1d(tiles.threads() as u32),
-            8,
-            words,
-            ArrayArg::from_raw_parts(x.clone(), m * red / 8),
-            ArrayArg::from_raw_parts(codes, codes_len),
-            ArrayArg::from_raw_parts(dense, dense_len),
-            ArrayArg::from_raw_parts(sb, sbl),
-            ArrayArg::from_raw_parts(st, stl),
-            ArrayArg::from_raw_parts(ct, 16),
-            ArrayArg::from_raw_parts(bias, cols),
-            ArrayArg::from_raw_parts(t, m * rank.max(1)),
-            ArrayArg::from_raw_parts(lb, cols * rank.max(1)),
-            ArrayArg::from_raw_parts(y.clone(), m * cols),
-            m as u32,
-            cols as u32,
-            red as u32,
-            wk as u32,
-            rank as u32,
-            scale,
-            tiles.warps_m,
-            tiles.warps_n,
-            tiles.frags_m,
-            tiles.frags_n,
-            words,
-            block,
-            byte_scales,
-            dense_b,
-            transposed,
-            has_bias,
-            has_lora,
-        );
     }
 }

@@ -1,0 +1,176 @@
+//! Split-K: products whose output grid is too small to fill the device split their reduction
+//! over `splits` slices (one more grid dimension); each slice writes an f32 partial sum into a
+//! workspace `[splits, M, N]`, and [`reduce`] adds the slices, applies the epilogue (bias, LoRA)
+//! and writes the output once. Deterministic: no atomics, the slices are summed in order.
+
+use crate::device::{grid_1d, linear_cube};
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Forced number of K-slices (0: chosen per launch by [`plan`]).
+static FORCED: AtomicUsize = AtomicUsize::new(0);
+
+/// Forces every later split-K-capable launch in this process (tensor-core product, dX,
+/// `lora_down`, decode kernel) to split its reduction into `splits` slices (clamped to the
+/// number of reduction stages), or, with `None`, lets each launch choose. For tests and
+/// benchmarks; the default is `None`.
+pub fn force_splits(splits: Option<usize>) {
+    FORCED.store(splits.unwrap_or(0), Ordering::Relaxed);
+}
+
+/// Multiprocessors of the device (132 on an H100 SXM when the runtime does not say).
+pub(crate) fn multiprocessors<R: Runtime>(client: &ComputeClient<R>) -> usize {
+    client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(132)
+        .max(1) as usize
+}
+
+/// How a reduction of `stages` stages is split: `(splits, stages per split)`, every split
+/// non-empty. `groups` output groups (cubes, or planes for the decode kernel) run without a
+/// split; the reduction is split until there are about `target` groups in all, keeping at least
+/// `min_stages` stages per split.
+pub(crate) fn plan(
+    groups: usize,
+    stages: usize,
+    target: usize,
+    min_stages: usize,
+) -> (usize, usize) {
+    let stages = stages.max(1);
+    let forced = FORCED.load(Ordering::Relaxed);
+    let want = if forced > 0 {
+        forced
+    } else if groups >= target {
+        1
+    } else {
+        target
+            .div_ceil(groups.max(1))
+            .min(stages / min_stages.max(1))
+    };
+    let want = want.clamp(1, stages);
+    let per = stages.div_ceil(want);
+    (stages.div_ceil(per), per)
+}
+
+/// A workspace for `splits` partial products of `m x n` f32.
+pub(crate) fn workspace<R: Runtime>(
+    client: &ComputeClient<R>,
+    splits: usize,
+    m: usize,
+    n: usize,
+) -> Handle {
+    client.empty(splits * m * n * std::mem::size_of::<f32>())
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn reduce_kernel<F: Float, O: Float>(
+    part: &Array<f32>,
+    bias: &Array<F>,
+    lora_t: &Array<f32>,
+    lora_b: &Array<F>,
+    y: &mut Array<O>,
+    m_rows: u32,
+    n_cols: u32,
+    splits: u32,
+    rank: u32,
+    lora_scale: f32,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+) {
+    let idx = linear_cube() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let n_cols = n_cols as usize;
+    let total = m_rows as usize * n_cols;
+    if idx < total {
+        let mut v = 0.0f32;
+        for s in 0..splits as usize {
+            v += part[s * total + idx];
+        }
+        let n = idx % n_cols;
+        if has_bias {
+            v += f32::cast_from(bias[n]);
+        }
+        if has_lora {
+            let m = idx / n_cols;
+            let rank = rank as usize;
+            let mut l = 0.0f32;
+            for j in 0..rank {
+                l += lora_t[m * rank + j] * f32::cast_from(lora_b[n * rank + j]);
+            }
+            v += lora_scale * l;
+        }
+        y[idx] = O::cast_from(v);
+    }
+}
+
+/// Epilogue inputs of [`reduce`]: bias `[N]`, LoRA `T[M, r]` (f32), `B[N, r]`, rank, scale.
+pub(crate) struct ReduceEpilogue {
+    pub bias: Option<Handle>,
+    pub lora: Option<(Handle, Handle, usize, f32)>,
+}
+
+/// `y[M, N] = sum over slices of part[s, M, N] (+ bias) (+ s·T·Bᵀ)`, cast to `O`.
+pub(crate) fn reduce<R: Runtime, F: Float, O: Float>(
+    client: &ComputeClient<R>,
+    part: Handle,
+    splits: usize,
+    m: usize,
+    n: usize,
+    epilogue: ReduceEpilogue,
+    y: &Handle,
+) {
+    let total = m * n;
+    let has_bias = epilogue.bias.is_some();
+    let bias = epilogue.bias.unwrap_or_else(|| part.clone());
+    let has_lora = epilogue.lora.is_some();
+    let (t, b, rank, scale) = epilogue
+        .lora
+        .unwrap_or_else(|| (part.clone(), part.clone(), 0, 0.0));
+    // SAFETY: `part` holds splits*m*n f32 (from `workspace`), the caller checked `y`, bias and
+    // the LoRA buffers; every access is bounded by m*n, the rank and the splits.
+    unsafe {
+        reduce_kernel::launch_unchecked::<F, O, R>(
+            client,
+            grid_1d(total.div_ceil(256)),
+            CubeDim::new_1d(256),
+            ArrayArg::from_raw_parts(part.clone(), splits * total),
+            ArrayArg::from_raw_parts(bias, n),
+            ArrayArg::from_raw_parts(t, m * rank.max(1)),
+            ArrayArg::from_raw_parts(b, n * rank.max(1)),
+            ArrayArg::from_raw_parts(y.clone(), total),
+            m as u32,
+            n as u32,
+            splits as u32,
+            rank as u32,
+            scale,
+            has_bias,
+            has_lora,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan;
+
+    #[test]
+    fn plans_cover_the_reduction_with_non_empty_slices() {
+        // 7B down at M = 16 on the tensor-core path: 28 cubes, 592 stages.
+        let (s, per) = plan(28, 592, 264, 8);
+        assert_eq!((s, per), (10, 60));
+        assert!(per * (s - 1) < 592 && per * s >= 592);
+        // Enough cubes: no split.
+        assert_eq!(plan(300, 592, 264, 8), (1, 592));
+        // Short reductions are not split below `min_stages` per slice.
+        assert_eq!(plan(1, 12, 264, 8), (1, 12));
+        for groups in [1, 7, 28, 100, 263] {
+            for stages in [1, 2, 3, 17, 100, 592, 1184] {
+                let (s, per) = plan(groups, stages, 264, 4);
+                assert!(s >= 1 && per * s >= stages && per * (s - 1) < stages);
+            }
+        }
+    }
+}
