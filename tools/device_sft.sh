@@ -14,13 +14,13 @@ tar -xzf .device/qerl.tar.gz -C /tmp
 # run this short that costs more than it saves.
 export CUBECL_AUTOTUNE_LEVEL=minimal
 budget=${SFT_BUDGET:-330}
-/tmp/qerl sft --out $out/tiny-math --device cuda --time-budget $budget --steps 20000 --batch 64 \
-  --lr 1e-3 --warmup 200 --eval-limit ${EVAL_LIMIT:-150} --quiet 2>&1 | tee $out/sft.log
+/tmp/qerl sft --out $out/tiny-math --device cuda --time-budget $budget --steps ${STEPS:-20000} --batch 64 \
+  --lr 1e-3 --warmup ${WARMUP:-200} --eval-limit ${EVAL_LIMIT:-150} --quiet 2>&1 | tee $out/sft.log
 echo "qerl sft wall time: $SECONDS s" | tee -a $out/sft.log
 # one archive: the device tool brings back a limited number of files
 tar -czf $out/tiny-math.tgz -C $out tiny-math && rm -rf $out/tiny-math
 # The trainer on CUDA (bf16): the tiny fixture, 4 steps (the NaN of the first GPU attempt).
-if [ $SECONDS -lt 500 ]; then
+if [ -z "${SKIP_TRAIN:-}" ] && [ $SECONDS -lt 500 ]; then
   QERL_DATA_DIR=$PWD/data timeout $((590 - SECONDS)) /tmp/qerl train --config configs/tiny-cpu.toml \
     --tokenizer tests/fixtures/tokenizers/tiny/tokenizer.json --device cuda --quiet \
     --set train.output_dir=\"$out/tiny-cpu-cuda\" 2>&1 | tail -n 8 | tee $out/train-cuda.log
