@@ -212,9 +212,16 @@ fn shipped_configs_parse() {
             continue;
         }
         let c = TrainConfig::load(&p, &[]).unwrap_or_else(|e| panic!("{e}"));
-        // Every shipped config points at vendored data.
+        // Every shipped config points at vendored data (relative paths: from the repository
+        // root, where the configs are run).
+        let file = c.data.file().unwrap();
+        let file = if file.is_relative() {
+            crate::repo_root().join(file)
+        } else {
+            file
+        };
         assert!(
-            c.data.file().unwrap().is_file() || c.data.dataset == DatasetKind::Jsonl,
+            file.is_file() || c.data.dataset == DatasetKind::Jsonl,
             "{}",
             p.display()
         );
