@@ -9,7 +9,6 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::module::Param;
 use burn::tensor::Tensor;
 use half::bf16;
 use qerl_nn::{Nvfp4Linear, QerlBackend};
@@ -110,9 +109,8 @@ impl<B: QerlBackend> CausalLm<B> {
     /// ([`crate::Precision::Bf16`]): a 4-bit weight has no gradient. Intended for f32 backends
     /// (the parameters keep the backend's float type).
     pub fn set_base_trainable(&mut self) -> Result<()> {
-        let trainable = |p: Param<Tensor<B, 2>>| p.set_require_grad(true);
-        self.embed_tokens = trainable(self.embed_tokens.clone());
-        self.lm_head = self.lm_head.take().map(trainable);
+        self.embed_tokens = self.embed_tokens.clone().set_require_grad(true);
+        self.lm_head = self.lm_head.take().map(|p| p.set_require_grad(true));
         let names: Vec<String> = (0..self.layers.len())
             .flat_map(|i| {
                 self.config

@@ -141,12 +141,15 @@ impl RoundReport {
     }
 }
 
+/// Per round: the scores; per completion: its length and whether it was truncated.
+pub type GlobalScores = (Vec<BatchScores>, Vec<usize>, Vec<bool>);
+
 /// The step's scores, lengths and truncation flags over all ranks, in global order (round by
 /// round, rank by rank), from each rank's per-round reports.
 pub fn global_scores(
     comm: &dyn Communicator,
     rounds: Vec<RoundReport>,
-) -> Result<(Vec<BatchScores>, Vec<usize>, Vec<bool>), CommError> {
+) -> Result<GlobalScores, CommError> {
     let all = if comm.world_size() == 1 {
         vec![rounds]
     } else {
