@@ -97,6 +97,19 @@ pub fn generate<B: QerlBackend>(
     config: &GenerationConfig,
     decoder: Option<&dyn Decode>,
 ) -> Result<Vec<Completion>> {
+    generate_from_row(model, prompts, config, decoder, 0)
+}
+
+/// [`generate`] for rows `first_row..` of a larger batch: row `i` samples from the random
+/// stream of row `first_row + i`, so a batch split into parts (one per data-parallel rank)
+/// draws exactly the numbers it draws whole.
+pub fn generate_from_row<B: QerlBackend>(
+    model: &CausalLm<B>,
+    prompts: &[Vec<u32>],
+    config: &GenerationConfig,
+    decoder: Option<&dyn Decode>,
+    first_row: usize,
+) -> Result<Vec<Completion>> {
     config.sampling.validate()?;
     if !config.stop_strings.is_empty() && decoder.is_none() {
         return Err(ModelError::Input(
@@ -136,7 +149,9 @@ pub fn generate<B: QerlBackend>(
     let capacity = (batch.len + config.max_new_tokens).div_ceil(SHAPE_MULTIPLE) * SHAPE_MULTIPLE;
     let mut cache = model.new_cache(n, capacity);
     let mut logits = model.prefill(&batch, &mut cache)?;
-    let mut rngs: Vec<Rng> = (0..n).map(|i| Rng::for_sequence(config.seed, i)).collect();
+    let mut rngs: Vec<Rng> = (0..n)
+        .map(|i| Rng::for_sequence(config.seed, first_row + i))
+        .collect();
     let mut done = vec![false; n];
     for step in 0..config.max_new_tokens {
         let uniform: Vec<f32> = rngs.iter_mut().map(Rng::next_open01).collect();

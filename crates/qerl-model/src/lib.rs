@@ -34,7 +34,8 @@ pub use batch::{Padding, TokenBatch};
 pub use config::{Architecture, GenerationDefaults, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use generate::{
-    generate, score, Completion, Decode, FinishReason, GenerationConfig, PositionScore,
+    generate, generate_from_row, score, Completion, Decode, FinishReason, GenerationConfig,
+    PositionScore,
 };
 pub use load::{load, load_with_adapter, LoadOptions, LoraSpec};
 pub use model::{CausalLm, DecoderLayer, KvCache, Mlp};

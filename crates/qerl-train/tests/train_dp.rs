@@ -335,7 +335,11 @@ fn a_rank_that_leaves_is_named_and_the_checkpoint_survives() {
 #[test]
 fn rollout_rows_follow_the_global_batch() {
     use qerl_model::{generate, load, GenerationConfig, LoadOptions, SamplingParams};
-    use qerl_train::rows::generate_rows;
+    let generate_rows =
+        |m: &qerl_model::CausalLm<qerl_nn::backends::Cpu>,
+         p: &[Vec<u32>],
+         c: &GenerationConfig,
+         first: usize| { qerl_model::generate_from_row(m, p, c, None, first) };
     let dir = root().join("tests/fixtures/compressed-tensors/qwen2_tied/nvfp4");
     let model =
         load::<qerl_nn::backends::Cpu>(&dir, &LoadOptions::default(), &Default::default()).unwrap();

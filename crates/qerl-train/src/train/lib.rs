@@ -12,7 +12,6 @@
 //! | [`signal`] | the Ctrl-C flag |
 //! | [`dist`] | data parallelism: the communicator (in-process, TCP, NCCL), torchrun's environment, `--gpus N` |
 //! | [`dp`] | the data-parallel pieces of a step: global dynamic sampling, gradient all-reduce, reduced metrics |
-//! | [`rows`] | rollout generation with random streams numbered by the global batch row |
 //! | [`evaluate`] | held-out accuracy (pass@1, strict and flexible), shared by `qerl eval`, `qerl sft` and the demo |
 //! | [`sft`] | supervised full-parameter training of a small model from scratch (`qerl sft`) |
 //! | [`bpe`] | training a byte-level BPE tokenizer with the ChatML tokens |
@@ -25,7 +24,6 @@ pub mod evaluate;
 pub mod noise;
 pub mod peft;
 pub mod rollout;
-pub mod rows;
 pub mod run;
 pub mod sft;
 pub mod signal;

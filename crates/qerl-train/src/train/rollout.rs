@@ -79,7 +79,7 @@ pub fn sample_groups<B: QerlBackend>(
 }
 
 /// [`sample_groups`] for a slice of a global batch whose first row is `first_row`: each row
-/// draws the random numbers of its global row ([`crate::rows::generate_rows`]), so the samples
+/// draws the random numbers of its global row ([`qerl_model::generate_from_row`]), so the samples
 /// do not depend on how the batch is split across ranks. No stop strings.
 pub fn sample_groups_at<B: QerlBackend>(
     model: &CausalLm<B>,
@@ -93,8 +93,13 @@ pub fn sample_groups_at<B: QerlBackend>(
         .iter()
         .flat_map(|(_, p)| std::iter::repeat_n(p.clone(), group_size))
         .collect();
-    let out = crate::rows::generate_rows(model, &batch, config, first_row)
-        .context("rollout generation")?;
+    // a data-parallel rank may have no prompts this round
+    let out = if batch.is_empty() {
+        Vec::new()
+    } else {
+        qerl_model::generate_from_row(model, &batch, config, None, first_row)
+            .context("rollout generation")?
+    };
     groups_of(out, prompts, group_size, config, tokenizer)
 }
 
