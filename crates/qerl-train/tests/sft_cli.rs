@@ -138,7 +138,7 @@ fn sft_makes_a_model_that_learns_and_loads_back() {
 /// target set: padding is masked out of attention and of the loss.
 #[test]
 fn padding_to_a_bucket_leaves_the_loss_unchanged() {
-    use qerl_train::sft::{batch_loss, pad_length, SftExample};
+    use qerl_train::sft::{batch_loss, SftExample};
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let dir = root.join("tests/fixtures/compressed-tensors/qwen2_tied/bf16");
     let model =
@@ -164,7 +164,7 @@ fn padding_to_a_bucket_leaves_the_loss_unchanged() {
     let tight = qerl_train::update::TrainBatch::new(&prompts, &comps, vec![0.0; 2], &[false; 2], 0)
         .unwrap();
     assert_eq!(tight.tokens.len, 7);
-    let padded = pad_length(tight.clone(), 16, 0);
+    let padded = tight.clone().padded_to_multiple(16, 0);
     assert_eq!(padded.tokens.len, 16);
     assert_eq!(padded.tokens_counted(), tight.tokens_counted());
     let value = |b| {

@@ -269,59 +269,6 @@ pub fn batch_loss<B: QerlBackend>(
 /// take milliseconds), so the run sees a handful of shapes.
 pub const LENGTH_MULTIPLE: usize = 64;
 
-/// `batch` right-padded to a length that is a multiple of `multiple` (padding is masked out
-/// of attention and of the loss).
-pub fn pad_length(batch: TrainBatch, multiple: usize, pad: u32) -> TrainBatch {
-    let (n, len) = (batch.tokens.batch, batch.tokens.len);
-    let new_len = len.div_ceil(multiple.max(1)) * multiple.max(1);
-    if new_len == len {
-        return batch;
-    }
-    let widen = |v: &[i64], w: usize, nw: usize, fill: i64| -> Vec<i64> {
-        v.chunks(w)
-            .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(fill, nw - w)))
-            .collect()
-    };
-    let widen_f = |v: &[f32], w: usize, nw: usize| -> Vec<f32> {
-        v.chunks(w)
-            .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0.0, nw - w)))
-            .collect()
-    };
-    let ids: Vec<u32> = batch
-        .tokens
-        .ids
-        .chunks(len)
-        .flat_map(|row| {
-            row.iter()
-                .copied()
-                .chain(std::iter::repeat_n(pad, new_len - len))
-        })
-        .collect();
-    let mask: Vec<bool> = batch
-        .tokens
-        .mask
-        .chunks(len)
-        .flat_map(|row| {
-            row.iter()
-                .copied()
-                .chain(std::iter::repeat_n(false, new_len - len))
-        })
-        .collect();
-    let (t, nt) = (len - 1, new_len - 1);
-    TrainBatch {
-        tokens: qerl_model::TokenBatch {
-            batch: n,
-            len: new_len,
-            ids,
-            mask,
-        },
-        targets: widen(&batch.targets, t, nt, pad as i64),
-        mask: widen_f(&batch.mask, t, nt),
-        logp_rollout: widen_f(&batch.logp_rollout, t, nt),
-        advantages: batch.advantages,
-    }
-}
-
 /// Batches of `examples` as training batches (completion tokens counted, prompts not),
 /// padded to a multiple of [`LENGTH_MULTIPLE`].
 pub fn make_batch(examples: &[&SftExample], pad: u32) -> Result<TrainBatch> {
@@ -342,7 +289,7 @@ pub fn make_batch(examples: &[&SftExample], pad: u32) -> Result<TrainBatch> {
         &vec![false; examples.len()],
         pad,
     )?;
-    Ok(pad_length(batch, LENGTH_MULTIPLE, pad))
+    Ok(batch.padded_to_multiple(LENGTH_MULTIPLE, pad))
 }
 
 /// Trains `model` on `data` for `opt.steps` steps (fewer under a time budget) of `opt.batch`

@@ -458,7 +458,9 @@ impl<B: TrainBackend> Trainer<B> {
                 masked.push(cut && c.loss.mask_truncated() || comp.tokens.is_empty());
             }
         }
-        TrainBatch::new(&prompts, &comps, adv, &masked, self.generation.pad_token_id)
+        let pad = self.generation.pad_token_id;
+        Ok(TrainBatch::new(&prompts, &comps, adv, &masked, pad)?
+            .padded_to_multiple(crate::update::TRAIN_LENGTH_MULTIPLE, pad))
     }
 
     /// Writes `output_dir/checkpoint-<step>` atomically; returns its path.

@@ -13,6 +13,10 @@ use qerl_rl::loss::{
     policy_loss, truncated_is_weights, GlobalNormalizer, PolicyLossConfig, PolicyLossInputs,
 };
 
+/// Training batches of the RL update are padded to a multiple of this many tokens (see
+/// [`TrainBatch::padded_to_multiple`]).
+pub const TRAIN_LENGTH_MULTIPLE: usize = 32;
+
 /// Sequences (prompt + completion, right-padded to one length `len`) and, per predicted
 /// position `t` (`0..len-1`, predicting token `t + 1`), what the loss needs. Row-major.
 #[derive(Clone, Debug)]
@@ -110,6 +114,61 @@ impl TrainBatch {
             mask: self.mask[r.start * t..r.end * t].to_vec(),
             logp_rollout: self.logp_rollout[r.start * t..r.end * t].to_vec(),
             advantages: self.advantages[r].to_vec(),
+        }
+    }
+
+    /// Right-padded to a length that is a multiple of `multiple` (padding is masked out of
+    /// attention and of the loss): every new shape costs a kernel compilation and an autotune
+    /// pass on a GPU, so batches are bucketed.
+    pub fn padded_to_multiple(self, multiple: usize, pad: u32) -> TrainBatch {
+        let batch = self;
+        let (n, len) = (batch.tokens.batch, batch.tokens.len);
+        let new_len = len.div_ceil(multiple.max(1)) * multiple.max(1);
+        if new_len == len {
+            return batch;
+        }
+        let widen = |v: &[i64], w: usize, nw: usize, fill: i64| -> Vec<i64> {
+            v.chunks(w)
+                .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(fill, nw - w)))
+                .collect()
+        };
+        let widen_f = |v: &[f32], w: usize, nw: usize| -> Vec<f32> {
+            v.chunks(w)
+                .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0.0, nw - w)))
+                .collect()
+        };
+        let ids: Vec<u32> = batch
+            .tokens
+            .ids
+            .chunks(len)
+            .flat_map(|row| {
+                row.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(pad, new_len - len))
+            })
+            .collect();
+        let mask: Vec<bool> = batch
+            .tokens
+            .mask
+            .chunks(len)
+            .flat_map(|row| {
+                row.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(false, new_len - len))
+            })
+            .collect();
+        let (t, nt) = (len - 1, new_len - 1);
+        TrainBatch {
+            tokens: qerl_model::TokenBatch {
+                batch: n,
+                len: new_len,
+                ids,
+                mask,
+            },
+            targets: widen(&batch.targets, t, nt, pad as i64),
+            mask: widen_f(&batch.mask, t, nt),
+            logp_rollout: widen_f(&batch.logp_rollout, t, nt),
+            advantages: batch.advantages,
         }
     }
 
