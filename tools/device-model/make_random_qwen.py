@@ -1,9 +1,12 @@
-# A random checkpoint with Qwen2.5-0.5B's shapes, bf16, for timing qerl generate (not a test).
-import sys, time, torch
+# A random checkpoint with Qwen2.5-0.5B's shapes (QWEN_SIZE=1.5b: Qwen2.5-1.5B's), bf16, for
+# timing and measuring qerl generate (not a test).
+import os, sys, time, torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 out = sys.argv[1]
-cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+shape = {"0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14),
+         "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12)}
+cfg = Qwen2Config(vocab_size=151936, **shape[os.environ.get("QWEN_SIZE", "0.5b")],
+                  num_key_value_heads=2, max_position_embeddings=32768,
                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                   bos_token_id=151643, eos_token_id=151645)
 torch.manual_seed(0)
@@ -11,7 +14,7 @@ t = time.time()
 with torch.device("cuda"):
     m = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
 m.save_pretrained(out)
-print(f"random Qwen2.5-0.5B-shaped model in {out} ({time.time() - t:.1f}s)", flush=True)
+print(f"random Qwen2.5-{os.environ.get('QWEN_SIZE', '0.5b')}-shaped model in {out} ({time.time() - t:.1f}s)", flush=True)
 if len(sys.argv) > 2:
     # transformers' own generate on the same GPU, same batch, for reference
     tok_prompts = torch.randint(0, 151000, (8, 16), device="cuda")

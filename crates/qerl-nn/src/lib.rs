@@ -38,6 +38,17 @@ pub mod backends {
     /// CUDA with f32 activations: full-parameter training (`qerl sft`) keeps its weights in f32.
     #[cfg(feature = "cuda")]
     pub type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+    /// Device memory that cubecl's allocator holds on CUDA device 0, as `(bytes in use by live
+    /// buffers, bytes reserved from the driver)`; the CUDA context itself (a few hundred MB a
+    /// process) is outside both. `None` when the runtime cannot say.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_memory() -> Option<(u64, u64)> {
+        use cubecl::Runtime;
+        let client = cubecl::cuda::CudaRuntime::client(&Default::default());
+        let m = client.memory_usage().ok()?;
+        Some((m.bytes_in_use, m.bytes_reserved))
+    }
 }
 
 /// How a linear layer stores its frozen weight.

@@ -73,6 +73,7 @@ pub fn run(args: Args) -> Result<()> {
     config.data.path = config.data.path.as_deref().map(|p| under(&root, p));
     config.train.output_dir = under(&root, &config.train.output_dir);
     let test_file = under(&root, Path::new(&config.eval.dataset));
+    config.eval.dataset = test_file.display().to_string();
 
     // 1. NVFP4 weights.
     let q_dir = config.model.dir.clone();
@@ -147,42 +148,20 @@ fn go<B: TrainBackend>(config: TrainConfig, test_file: &Path, budget: Option<f64
     let setup = TrainSetup::from_config(config.clone(), None)?;
     let mut trainer = Trainer::<B>::new(setup, &B::Device::default())?;
     qerl_train::signal::install();
-    let out = match budget {
-        None => qerl_train::run(&mut trainer, &RunOptions::default())?,
-        // one step per call, so the run can stop at any step boundary (each call ends with a
-        // checkpoint of the adapter)
-        Some(secs) => {
-            let t = std::time::Instant::now();
-            let mut metrics = Vec::new();
-            loop {
-                let mut o = qerl_train::run(
-                    &mut trainer,
-                    &RunOptions {
-                        progress: false,
-                        max_steps: Some(1),
-                    },
-                )?;
-                metrics.append(&mut o.metrics);
-                if let Some(m) = metrics.last() {
-                    eprintln!(
-                        "step {}: reward {:.3} accuracy {:.3} entropy {:.3} ({:.0} s)",
-                        m.step,
-                        m.reward_mean,
-                        m.accuracy,
-                        m.entropy,
-                        t.elapsed().as_secs_f64()
-                    );
-                }
-                if o.steps >= config.train.steps
-                    || o.interrupted
-                    || t.elapsed().as_secs_f64() > secs
-                {
-                    o.metrics = metrics;
-                    break o;
-                }
-            }
-        }
-    };
+    let out = qerl_train::run(
+        &mut trainer,
+        &RunOptions {
+            progress: true,
+            max_steps: None,
+            time_budget: budget,
+        },
+    )?;
+    if out.out_of_time {
+        eprintln!(
+            "time budget spent: stopped after step {} of {}",
+            out.steps, config.train.steps
+        );
+    }
     let adapter = out
         .checkpoint
         .clone()

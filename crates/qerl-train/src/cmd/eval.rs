@@ -8,9 +8,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use qerl_model::{ChatTemplate, QerlBackend};
-use qerl_rl::data::{load_jsonl, resolve_dataset, DatasetKind, FieldSpec, Split};
+use qerl_rl::data::DatasetKind;
 use qerl_rl::prompt::PromptTemplate;
-use qerl_train::evaluate::{evaluate, EvalSpec};
+use qerl_train::evaluate::{evaluate, held_out, EvalSpec};
 use serde_json::json;
 
 use super::generate::{load, with_backend, ModelArgs};
@@ -65,16 +65,7 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
-    let (kind, file, spec) = resolve_dataset(&args.dataset, Split::Test, &FieldSpec::math500())?;
-    let (kind, spec) = match kind {
-        DatasetKind::Jsonl => jsonl_layout(&file)?,
-        k => (k, spec),
-    };
-    let mut examples = load_jsonl(&file, &spec)?;
-    if args.limit > 0 {
-        examples.truncate(args.limit);
-    }
-    anyhow::ensure!(!examples.is_empty(), "`{}` has no examples", file.display());
+    let (kind, examples) = held_out(&args.dataset, args.limit)?;
     let loaded = load::<B>(&args.model, device)?;
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let dir = &args.model.model;
@@ -144,44 +135,6 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
         out_path.display()
     );
     Ok(())
-}
-
-/// The layout of a JSONL file, from its first line: the question in `problem` (MATH-style) or
-/// `question`; an `answer` holding a GSM8K solution (`... #### N`, e.g. models/tiny-math's
-/// data) is judged as GSM8K, any other answer as a final answer.
-fn jsonl_layout(file: &std::path::Path) -> Result<(DatasetKind, FieldSpec)> {
-    let text = std::fs::read_to_string(file)
-        .with_context(|| format!("cannot read `{}`", file.display()))?;
-    let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("{}");
-    let v: serde_json::Value = serde_json::from_str(first)
-        .with_context(|| format!("`{}`: the first line is not JSON", file.display()))?;
-    let question = if v.get("problem").is_some() {
-        "problem"
-    } else {
-        "question"
-    };
-    let gsm8k = v
-        .get("answer")
-        .and_then(|a| a.as_str())
-        .is_some_and(|a| a.contains("#### "));
-    let spec = FieldSpec {
-        question: question.into(),
-        answer: "answer".into(),
-        answer_format: if gsm8k {
-            qerl_rl::data::AnswerFormat::Gsm8kSolution
-        } else {
-            qerl_rl::data::AnswerFormat::Plain
-        },
-        id: None,
-    };
-    Ok((
-        if gsm8k {
-            DatasetKind::Gsm8k
-        } else {
-            DatasetKind::Jsonl
-        },
-        spec,
-    ))
 }
 
 pub fn kind_name(kind: DatasetKind) -> &'static str {

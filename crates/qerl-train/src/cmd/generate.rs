@@ -135,11 +135,34 @@ pub fn load<B: QerlBackend>(args: &ModelArgs, device: &B::Device) -> Result<Load
         args.device,
         start.elapsed().as_secs_f64()
     );
+    memory_line(args.device, "after loading");
     Ok(Loaded {
         model,
         tokenizer,
         precision,
     })
+}
+
+/// The device memory cubecl's allocator holds on `device`: bytes in use by live tensors and
+/// bytes reserved from the driver (the pool), for a GPU device; `None` on the CPU. Excludes
+/// the CUDA context itself (a few hundred MB per process, outside any pool).
+pub fn pool_memory(device: DeviceArg) -> Option<(u64, u64)> {
+    match device {
+        #[cfg(feature = "cuda")]
+        DeviceArg::Cuda => qerl_nn::backends::cuda_memory(),
+        _ => None,
+    }
+}
+
+/// `pool_memory` as a line for stderr.
+fn memory_line(device: DeviceArg, when: &str) {
+    if let Some((used, reserved)) = pool_memory(device) {
+        eprintln!(
+            "device memory {when}: {:.1} MB in use, {:.1} MB reserved",
+            used as f64 / 1e6,
+            reserved as f64 / 1e6
+        );
+    }
 }
 
 /// Runs `$body` with `$B` bound to the backend of `$device`.
@@ -267,6 +290,7 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
         prompts.len(),
         new_tokens as f64 / secs.max(1e-9)
     );
+    memory_line(args.model.device, "after generating");
     let texts = out
         .iter()
         .map(|c| {
@@ -300,6 +324,8 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
                 "seed": config.seed,
             },
             "max_new_tokens": config.max_new_tokens,
+            "device_memory": pool_memory(args.model.device)
+                .map(|(used, reserved)| json!({"bytes_in_use": used, "bytes_reserved": reserved})),
             "completions": completions,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);

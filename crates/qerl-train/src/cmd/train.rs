@@ -49,6 +49,10 @@ pub struct Args {
     /// Stop after this many steps of this invocation (a checkpoint is written; resume later).
     #[arg(long)]
     pub max_steps: Option<usize>,
+    /// Stop at the first step boundary after this many seconds (a checkpoint is written;
+    /// resume later).
+    #[arg(long)]
+    pub time_budget: Option<f64>,
     /// Feed prompts as plain text instead of the ChatML template.
     #[arg(long)]
     pub no_chat: bool,
@@ -115,6 +119,7 @@ pub fn run(args: Args) -> Result<()> {
     let options = RunOptions {
         progress: !args.quiet,
         max_steps: args.max_steps,
+        time_budget: args.time_budget,
     };
     let timeout = std::time::Duration::from_secs(args.dist_timeout);
     let rank = Rank {

@@ -4,13 +4,13 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use qerl_model::config::eos_token_ids;
 use qerl_model::{
     CausalLm, ChatTemplate, GenerationConfig, GenerationDefaults, QerlBackend, SamplingParams,
     Tokenizer,
 };
-use qerl_rl::data::{DatasetKind, Example};
+use qerl_rl::data::{load_jsonl, resolve_dataset, DatasetKind, Example, FieldSpec, Split};
 use qerl_rl::eval::{judge, PassAtOne, Verdict};
 use qerl_rl::prompt::PromptTemplate;
 
@@ -133,4 +133,58 @@ pub fn evaluate<B: QerlBackend>(
     }
     report.seconds = start.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// The held-out questions of `dataset` (`gsm8k`, `math500`: their test splits; or a JSONL
+/// file), the first `limit` of them (0: all), and the judge that reads their answers.
+pub fn held_out(dataset: &str, limit: usize) -> Result<(DatasetKind, Vec<Example>)> {
+    let (kind, file, spec) = resolve_dataset(dataset, Split::Test, &FieldSpec::math500())?;
+    let (kind, spec) = match kind {
+        DatasetKind::Jsonl => jsonl_layout(&file)?,
+        k => (k, spec),
+    };
+    let mut examples = load_jsonl(&file, &spec)?;
+    if limit > 0 {
+        examples.truncate(limit);
+    }
+    anyhow::ensure!(!examples.is_empty(), "`{}` has no examples", file.display());
+    Ok((kind, examples))
+}
+
+/// The layout of a JSONL file, from its first line: the question in `problem` (MATH-style) or
+/// `question`; an `answer` holding a GSM8K solution (`... #### N`, e.g. models/tiny-math's
+/// data) is judged as GSM8K, any other answer as a final answer.
+fn jsonl_layout(file: &std::path::Path) -> Result<(DatasetKind, FieldSpec)> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("cannot read `{}`", file.display()))?;
+    let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("{}");
+    let v: serde_json::Value = serde_json::from_str(first)
+        .with_context(|| format!("`{}`: the first line is not JSON", file.display()))?;
+    let question = if v.get("problem").is_some() {
+        "problem"
+    } else {
+        "question"
+    };
+    let gsm8k = v
+        .get("answer")
+        .and_then(|a| a.as_str())
+        .is_some_and(|a| a.contains("#### "));
+    let spec = FieldSpec {
+        question: question.into(),
+        answer: "answer".into(),
+        answer_format: if gsm8k {
+            qerl_rl::data::AnswerFormat::Gsm8kSolution
+        } else {
+            qerl_rl::data::AnswerFormat::Plain
+        },
+        id: None,
+    };
+    Ok((
+        if gsm8k {
+            DatasetKind::Gsm8k
+        } else {
+            DatasetKind::Jsonl
+        },
+        spec,
+    ))
 }
