@@ -32,7 +32,7 @@ for stage in "$@"; do
     tests)
       mkdir -p /work && { [ -e /work/main ] || ln -sfn "$PWD" /work/main; }
       tar -xJf .device/tests.tar.xz -C /tmp
-      (cd /work/main && timeout $(left) bash tools/device_cuda_tests.sh /tmp/kernels /tmp/modules /tmp/parity > /tmp/logs/tests.log 2>&1) & ;;
+      (cd /work/main && OUT=/tmp/logs timeout $(left) bash tools/device_cuda_tests.sh /tmp/kernels:cuda_bf16 /tmp/kernels:cuda_f16 /tmp/kernels:cuda_f32 /tmp/modules /tmp/parity > /tmp/logs/tests.log 2>&1) & ;;
     model-check)
       (python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
         PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout $(left) python3 tools/device_model_check.py /tmp/qerl cuda) > /tmp/logs/model-check.log 2>&1 & ;;
