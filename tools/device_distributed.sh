@@ -8,7 +8,11 @@
 #   mkdir -p .device && cp target/release/qerl .device/qerl     # .device/ in .git/info/exclude
 # then, there, from the repository root (carry: .device):
 #   tools/device_distributed.sh .device/qerl [CONFIG] [STEPS]
-# Everything printed also lands in $OUT (dist.log, metrics of both runs).
+# e.g. on the embedded model, 16 prompts x 8 samples a step (the global batch of both runs):
+#   qerl quantize models/tiny-math runs/demo/tiny-math-nvfp4
+#   TOKENIZER= EXTRA="--set rollout.batch_prompts=16" tools/device_distributed.sh .device/qerl configs/tiny-math.toml 10
+# TOKENIZER: tokenizer.json for a model directory without one (default: the tiny fixture's;
+# empty: the model's own). Everything printed also lands in $OUT (dist.log, metrics of both runs).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 # NVLink multicast stays off on the shared machines (KINDS.md)
 bin=${1:?usage: tools/device_distributed.sh QERL_BINARY [CONFIG] [STEPS]}
@@ -27,7 +31,10 @@ fi
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
 echo "date: $(date -u +%F), config: $config, steps: $steps, NCCL from: ${nccl_lib:-system}"
 
-common=(--config "$config" --tokenizer tests/fixtures/tokenizers/tiny/tokenizer.json
+export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
+source tools/device_cache.sh # the driver's PTX cache under target/, beside cubecl's
+tok=${TOKENIZER-tests/fixtures/tokenizers/tiny/tokenizer.json}
+common=(--config "$config" ${tok:+--tokenizer "$tok"} ${EXTRA:-}
   --device cuda --quiet --set "train.steps=$steps" --set train.ckpt_interval=2
   --dist-timeout 300)
 status=0
@@ -49,7 +56,7 @@ timed "2 GPUs, then resumed on 1 GPU from step 2" "$bin" train "${common[@]}" \
   --resume "$out/gpu2/checkpoint-000002" --set "train.output_dir=\"$out/gpu2to1\""
 
 python3 - "$out" "$steps" <<'EOF'
-import json, sys
+import json, statistics, sys
 from safetensors.numpy import load_file
 out, steps = sys.argv[1], int(sys.argv[2])
 def metrics(run):
@@ -60,6 +67,11 @@ keys = ["reward_mean", "loss", "grad_norm", "kl", "entropy", "groups_dropped",
 print("step | " + " | ".join(f"{k} (1 GPU / 2 GPUs)" for k in keys))
 for x, y in zip(a, b):
     print(f"{x['step']} | " + " | ".join(f"{x[k]} / {y[k]}" for k in keys))
+for name, m in [("1 GPU", a), ("2 GPUs", b)]:
+    later = m[1:] or m  # step 0 carries the kernel compilation of a fresh process
+    print(f"{name}: median step {statistics.median(x['step_time_s'] for x in later):.3f} s, "
+          f"median rollout {statistics.median(x['rollout_tokens_per_s'] for x in later):.0f} tokens/s "
+          f"(steps 1-{len(m) - 1})")
 ckpt = f"checkpoint-{steps:06d}"
 for other in ["gpu2", "gpu2to1"]:
     worst = 0.0

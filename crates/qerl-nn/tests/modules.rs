@@ -19,8 +19,17 @@ where
     B: AutodiffBackend + QerlBackend,
     B::InnerBackend: QerlBackend,
 {
+    linear_grads_shaped::<B>(device, tol, 3, 48);
+}
+
+/// [`linear_grads`] with x of shape [2, `t`, k] and `n` outputs.
+fn linear_grads_shaped<B>(device: &B::Device, tol: f64, t: usize, n: usize)
+where
+    B: AutodiffBackend + QerlBackend,
+    B::InnerBackend: QerlBackend,
+{
     let s = seed();
-    let (m, k, n, r) = (2 * 3, 80, 48, 8); // x is [2, 3, k]: leading dims are flattened
+    let (m, k, r) = (2 * t, 80, 8); // x is [2, t, k]: leading dims are flattened
     for precision in [
         Precision::Nvfp4,
         Precision::Mxfp4,
@@ -61,9 +70,9 @@ where
             None => w.clone(),
         };
         let x_data = normal(s + 4, m * k, 1.0);
-        let probe = tensor::<B, 3>(normal(s + 5, m * n, 1.0), [2, 3, n], device);
+        let probe = tensor::<B, 3>(normal(s + 5, m * n, 1.0), [2, t, n], device);
 
-        let x = tensor::<B, 3>(x_data.clone(), [2, 3, k], device).require_grad();
+        let x = tensor::<B, 3>(x_data.clone(), [2, t, k], device).require_grad();
         let y = layer.forward(x.clone());
         let grads = (y.clone() * probe.clone()).sum().backward();
         let (gx, ga, gb) = (
@@ -78,7 +87,7 @@ where
             );
         }
 
-        let xr = tensor::<B, 3>(x_data, [2, 3, k], device).require_grad();
+        let xr = tensor::<B, 3>(x_data, [2, t, k], device).require_grad();
         let (ar, br) = (a.require_grad(), b.require_grad());
         let wr = tensor::<B, 2>(deq, [n, k], device);
         let yr = xr.clone().matmul(wr.clone().transpose().unsqueeze())
@@ -171,6 +180,13 @@ where
 #[test]
 fn cpu_linear_gradients_match_dense_reference() {
     linear_grads::<Autodiff<qerl_nn::backends::Cpu>>(&Default::default(), 1e-5);
+}
+
+/// The CPU path works through the weight in tiles of 64 rows and through x in blocks of rows
+/// per core: 150 outputs (a partial last tile) and 2 x 7 rows.
+#[test]
+fn cpu_linear_gradients_match_dense_reference_across_tiles() {
+    linear_grads_shaped::<Autodiff<qerl_nn::backends::Cpu>>(&Default::default(), 1e-5, 7, 150);
 }
 
 #[test]

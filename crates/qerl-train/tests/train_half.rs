@@ -16,7 +16,7 @@ impl qerl_rl::reward::Reward for Digits {
 
 #[cfg(feature = "wgpu")]
 #[test]
-fn wgpu_f16_training_step_is_finite_and_starts_on_policy() {
+fn wgpu_f16_training_step_is_finite_and_starts_on_policy_and_resumes() {
     use burn::backend::Autodiff;
     use qerl_rl::data::Example;
     use qerl_rl::reward::RewardSet;
@@ -27,41 +27,43 @@ fn wgpu_f16_training_step_is_finite_and_starts_on_policy() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let tmp = tempfile::tempdir().unwrap();
     let text = std::fs::read_to_string(root.join("configs/tiny-cpu.toml")).unwrap();
-    let sets = vec![
-        format!(
-            "model.dir=\"{}\"",
-            root.join("tests/fixtures/compressed-tensors/qwen2_tied/nvfp4")
-                .display()
-        ),
-        format!("train.output_dir=\"{}\"", tmp.path().display()),
-        "train.steps=2".to_string(),
-        "optim.warmup_ratio=0.5".to_string(),
-        "train.eval_interval=0".to_string(),
-    ];
-    let c = TrainConfig::from_toml_with_overrides(&text, "tiny-cpu", &sets).unwrap();
-    c.validate().unwrap();
-    let tokenizer = qerl_model::Tokenizer::from_file(
-        &root.join("tests/fixtures/tokenizers/tiny/tokenizer.json"),
-    )
-    .unwrap();
-    let examples = ["count", "write", "go", "now"]
-        .iter()
-        .enumerate()
-        .map(|(i, q)| Example {
-            id: i.to_string(),
-            question: q.to_string(),
-            answer: "0".into(),
-            solution: String::new(),
-        })
-        .collect();
-    let setup = TrainSetup {
-        config: c.resolved(),
-        tokenizer,
-        rewards: RewardSet::new().with(Digits, 1.0),
-        examples,
-        chat: false,
+    let make_setup = |steps: usize| {
+        let sets = vec![
+            format!(
+                "model.dir=\"{}\"",
+                root.join("tests/fixtures/compressed-tensors/qwen2_tied/nvfp4")
+                    .display()
+            ),
+            format!("train.output_dir=\"{}\"", tmp.path().display()),
+            format!("train.steps={steps}"),
+            "optim.warmup_ratio=0.5".to_string(),
+            "train.eval_interval=0".to_string(),
+        ];
+        let c = TrainConfig::from_toml_with_overrides(&text, "tiny-cpu", &sets).unwrap();
+        c.validate().unwrap();
+        let tokenizer = qerl_model::Tokenizer::from_file(
+            &root.join("tests/fixtures/tokenizers/tiny/tokenizer.json"),
+        )
+        .unwrap();
+        let examples = ["count", "write", "go", "now"]
+            .iter()
+            .enumerate()
+            .map(|(i, q)| Example {
+                id: i.to_string(),
+                question: q.to_string(),
+                answer: "0".into(),
+                solution: String::new(),
+            })
+            .collect();
+        TrainSetup {
+            config: c.resolved(),
+            tokenizer,
+            rewards: RewardSet::new().with(Digits, 1.0),
+            examples,
+            chat: false,
+        }
     };
-    let mut t = Trainer::<Autodiff<H>>::new(setup, &Default::default()).unwrap();
+    let mut t = Trainer::<Autodiff<H>>::new(make_setup(2), &Default::default()).unwrap();
     let out = run(&mut t, &RunOptions::default()).unwrap();
     for m in &out.metrics {
         println!("{m:?}");
@@ -78,4 +80,31 @@ fn wgpu_f16_training_step_is_finite_and_starts_on_policy() {
     assert_eq!(m.lr, 0.0);
     assert_eq!((m.clip_frac_low, m.clip_frac_high), (0.0, 0.0), "{m:?}");
     assert!(out.metrics[1].lr > 0.0);
+
+    // Resumed from that checkpoint, two more steps: burn loads the optimizer moments in the
+    // backend's half type, beside f32 master weights; unconverted, the first update wrote NaN
+    // into the adapter (the NaN policy then samples max-length garbage with reward 0).
+    drop(t);
+    let mut t =
+        Trainer::<Autodiff<H>>::resume(make_setup(4), tmp.path(), &Default::default()).unwrap();
+    assert_eq!(t.state.step, 2);
+    let out = run(&mut t, &RunOptions::default()).unwrap();
+    assert_eq!(out.metrics.len(), 2);
+    for m in &out.metrics {
+        println!("resumed: {m:?}");
+        assert!(
+            m.loss.is_finite() && m.grad_norm.is_finite() && m.grad_norm > 0.0,
+            "{m:?}"
+        );
+    }
+    let lora = qerl_train::peft::linears(t.model())
+        .into_iter()
+        .filter_map(|(_, l)| {
+            l.lora()
+                .map(|l| l.b.val().into_data().to_vec::<f32>().unwrap())
+        })
+        .flatten()
+        .collect::<Vec<f32>>();
+    assert!(!lora.is_empty() && lora.iter().all(|v| v.is_finite()));
+    assert!(lora.iter().any(|v| *v != 0.0));
 }

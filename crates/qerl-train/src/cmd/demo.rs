@@ -172,9 +172,13 @@ fn go<B: TrainBackend>(config: TrainConfig, test_file: &Path, budget: Option<f64
     let first = m.first().map_or(f32::NAN, |x| x.reward_mean);
     let last = m.last().map_or(f32::NAN, |x| x.reward_mean);
     println!();
-    println!(
-        "| tiny-math, NVFP4 + LoRA, GRPO + AQN | held-out accuracy ({n}, greedy) | train reward |"
-    );
+    let aqn = match config.aqn.schedule {
+        qerl_rl::aqn::SigmaSchedule::None => "no AQN".to_string(),
+        s => format!("AQN ({s:?})").to_lowercase().replace("aqn", "AQN"),
+    };
+    let precision = format!("{:?}", config.model.precision).to_uppercase();
+    let loss = format!("{:?}", config.loss.kind).to_uppercase();
+    println!("| tiny-math, {precision} + LoRA, {loss}, {aqn} | held-out accuracy ({n}, greedy) | train reward |");
     println!("| --- | ---: | ---: |");
     println!(
         "| before RL | {:.1}% | {first:.3} (step 0) |",

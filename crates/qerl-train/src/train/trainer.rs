@@ -7,10 +7,13 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use burn::module::AutodiffModule;
+use burn::module::ParamId;
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamW, AdamWConfig, Optimizer};
+use burn::optim::record::{AdaptorRecord, AdaptorRecordV1};
+use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::DType;
 use qerl_model::config::eos_token_ids;
 use qerl_model::{
     load, CausalLm, ChatTemplate, GenerationConfig, GenerationDefaults, LoadOptions, LoraSpec,
@@ -84,6 +87,47 @@ pub fn mix(seed: u64, step: usize, stream: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// The optimizer moments of a loaded record, as f32. burn converts every float tensor of a
+/// loaded record to the backend's float type (bf16 on CUDA), but the trained parameters are f32
+/// master weights and CubeCL backends do not promote mixed dtypes: a bf16 moment beside an f32
+/// gradient reads garbage (NaN weights after the first step of a resumed CUDA run). The round
+/// trip through bf16 costs the moments their low mantissa bits, nothing else.
+fn moments_f32<B, M>(record: M) -> M
+where
+    B: TrainBackend,
+    M: IntoIterator<Item = (ParamId, AdaptorRecord<AdamW, B>)>
+        + FromIterator<(ParamId, AdaptorRecord<AdamW, B>)>,
+{
+    fn f32_state<B: burn::tensor::backend::Backend, const D: usize>(
+        s: AdamWState<B, D>,
+    ) -> AdamWState<B, D> {
+        let m = s.momentum;
+        AdamWState {
+            momentum: AdaptiveMomentumState {
+                time: m.time,
+                moment_1: m.moment_1.cast(DType::F32),
+                moment_2: m.moment_2.cast(DType::F32),
+                max_moment_2: m.max_moment_2.map(|t| t.cast(DType::F32)),
+            },
+        }
+    }
+    record
+        .into_iter()
+        .map(|(id, r)| {
+            let r = match r {
+                AdaptorRecord::V1(AdaptorRecordV1::Rank1(s)) => {
+                    AdaptorRecord::V1(AdaptorRecordV1::Rank1(f32_state(s)))
+                }
+                AdaptorRecord::V1(AdaptorRecordV1::Rank2(s)) => {
+                    AdaptorRecord::V1(AdaptorRecordV1::Rank2(f32_state(s)))
+                }
+                other => other,
+            };
+            (id, r)
+        })
+        .collect()
 }
 
 /// The trainer. Under data parallelism one per rank, each with its own copy of the policy:
@@ -229,7 +273,7 @@ impl<B: TrainBackend> Trainer<B> {
         let record = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
             .load(dir.join(OPTIMIZER_FILE), device)
             .with_context(|| format!("cannot read the optimizer state in `{}`", dir.display()))?;
-        t.optim = t.optim.load_record(record);
+        t.optim = t.optim.load_record(moments_f32(record));
         if state.prompts_consumed > 0 {
             t.sampler.next_batch(state.prompts_consumed);
         }
