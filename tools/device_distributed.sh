@@ -35,8 +35,7 @@ export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 source tools/device_cache.sh # the driver's PTX cache under target/, beside cubecl's
 tok=${TOKENIZER-tests/fixtures/tokenizers/tiny/tokenizer.json}
 common=(--config "$config" ${tok:+--tokenizer "$tok"} ${EXTRA:-}
-  --device cuda --quiet --set "train.steps=$steps" --set train.ckpt_interval=2
-  --dist-timeout 300)
+  --device cuda --quiet --set "train.steps=$steps" --set train.ckpt_interval=2)
 status=0
 timed() { # name, command...
   local name=$1 t0 t1
@@ -50,9 +49,9 @@ timed() { # name, command...
   return $rc
 }
 
-timed "1 GPU" "$bin" train "${common[@]}" --set "train.output_dir=\"$out/gpu1\""
-timed "2 GPUs" "$bin" train "${common[@]}" --gpus 2 --set "train.output_dir=\"$out/gpu2\""
-timed "2 GPUs, then resumed on 1 GPU from step 2" "$bin" train "${common[@]}" \
+timed "1 GPU" "$bin" train "${common[@]}" --dist-timeout 300 --set "train.output_dir=\"$out/gpu1\""
+timed "2 GPUs" "$bin" train "${common[@]}" --dist-timeout 300 --gpus 2 --set "train.output_dir=\"$out/gpu2\""
+timed "2 GPUs, then resumed on 1 GPU from step 2" "$bin" train "${common[@]}" --dist-timeout 300 \
   --resume "$out/gpu2/checkpoint-000002" --set "train.output_dir=\"$out/gpu2to1\""
 
 python3 - "$out" "$steps" <<'EOF'

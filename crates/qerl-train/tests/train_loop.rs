@@ -321,3 +321,67 @@ fn only_lora_changes_nvfp4() {
 fn only_lora_changes_bf16() {
     frozen_weights_untouched("bf16");
 }
+
+/// `train.eval_interval`: held-out accuracy at step 0, every N steps and at the last step, one
+/// line each in `eval.jsonl`; a time budget stops at a step boundary with a checkpoint.
+#[test]
+fn held_out_accuracy_every_eval_interval_and_time_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let held = tmp.path().join("held.jsonl");
+    std::fs::write(
+        &held,
+        "{\"question\": \"count\", \"answer\": \"1 + 1 = 2\\n#### 2\"}\n\
+         {\"question\": \"go\", \"answer\": \"#### 0\"}\n\
+         {\"question\": \"say it\", \"answer\": \"#### 7\"}\n",
+    )
+    .unwrap();
+    let dataset = format!("eval.dataset=\"{}\"", held.display());
+    let out = tmp.path().join("run");
+    let c = config(
+        &out,
+        &[
+            "train.steps=3",
+            "train.eval_interval=2",
+            &dataset,
+            "eval.temperature=0.0",
+            "eval.max_completion_tokens=4",
+        ],
+    );
+    let rewards = RewardSet::new().with(Digits, 1.0);
+    let mut t = Trainer::<Ad>::new(setup(c, rewards), &Default::default()).unwrap();
+    run(&mut t, &RunOptions::default()).unwrap();
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("eval.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [0, 2, 3]);
+    for l in &lines {
+        assert_eq!(l["questions"], 3, "{l}");
+        let acc = l["accuracy"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&acc), "{l}");
+    }
+
+    // A budget already spent: one step, then a clean stop with a checkpoint.
+    let out2 = tmp.path().join("budget");
+    let c = config(&out2, &["train.steps=5"]);
+    let mut t = Trainer::<Ad>::new(
+        setup(c, RewardSet::new().with(Digits, 1.0)),
+        &Default::default(),
+    )
+    .unwrap();
+    let o = run(
+        &mut t,
+        &RunOptions {
+            time_budget: Some(0.0),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(o.out_of_time && !o.interrupted);
+    assert_eq!(o.steps, 1);
+    assert!(o
+        .checkpoint
+        .is_some_and(|c| c.join("adapter_model.safetensors").is_file()));
+}
