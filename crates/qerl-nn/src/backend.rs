@@ -54,6 +54,13 @@ pub trait QerlBackend: Backend {
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
+    /// Device memory this backend's allocator holds on `device`, as `(bytes in use by live
+    /// buffers, bytes reserved from the driver)`; `None` where there is no pool of its own (the
+    /// CPU).
+    fn memory_usage(_device: &Self::Device) -> Option<(u64, u64)> {
+        None
+    }
+
     /// Backward of [`noisy_rms_norm`](Self::noisy_rms_norm): `(dx [M, D], dw [D])`; `dw` is also
     /// the gradient of the noise.
     fn noisy_rms_norm_backward(

@@ -119,6 +119,10 @@ type Ad<B, C> = Autodiff<B, C>;
 impl<B: QerlBackend, C: CheckpointStrategy> QerlBackend for Ad<B, C> {
     type QWeight = B::QWeight;
 
+    fn memory_usage(device: &Self::Device) -> Option<(u64, u64)> {
+        B::memory_usage(device)
+    }
+
     fn qweight_upload(
         name: &str,
         weight: &QuantizedWeight,

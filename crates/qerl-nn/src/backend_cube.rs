@@ -76,6 +76,11 @@ where
 {
     type QWeight = DeviceWeight;
 
+    fn memory_usage(device: &Self::Device) -> Option<(u64, u64)> {
+        let m = R::client(device).memory_usage().ok()?;
+        Some((m.bytes_in_use, m.bytes_reserved))
+    }
+
     fn qweight_upload(
         name: &str,
         weight: &QuantizedWeight,

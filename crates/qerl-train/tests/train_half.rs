@@ -74,6 +74,11 @@ fn wgpu_f16_training_step_is_finite_and_starts_on_policy_and_resumes() {
             "{m:?}"
         );
     }
+    // a GPU backend reports its allocator's pool
+    assert!(out
+        .metrics
+        .iter()
+        .all(|m| m.peak_memory_bytes.is_some_and(|b| b > 0)));
     // step 0 has learning rate 0 (warmup): its second pass (mu = 2) still sees the rollout
     // policy, so the ratio is 1 everywhere and nothing is clipped
     let m = &out.metrics[0];

@@ -349,7 +349,12 @@ fn held_out_accuracy_every_eval_interval_and_time_budget() {
     );
     let rewards = RewardSet::new().with(Digits, 1.0);
     let mut t = Trainer::<Ad>::new(setup(c, rewards), &Default::default()).unwrap();
-    run(&mut t, &RunOptions::default()).unwrap();
+    let o = run(&mut t, &RunOptions::default()).unwrap();
+    // the CPU reports the process's peak resident set
+    assert!(o
+        .metrics
+        .iter()
+        .all(|m| m.peak_memory_bytes.is_some_and(|b| b > 1 << 20)));
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("eval.jsonl"))
         .unwrap()
         .lines()

@@ -105,7 +105,9 @@ pub struct StepMetrics {
     pub rollout_time_s: f32,
     #[serde(deserialize_with = "nan_f32")]
     pub step_time_s: f32,
-    /// Peak device memory in bytes, when the backend reports it.
+    /// Memory high-water mark in bytes (of this rank under data parallelism): on a GPU the
+    /// pool the allocator holds after the step (it keeps the pages the step's peak needed); on
+    /// the CPU the process's peak resident set; `None` where neither is known.
     pub peak_memory_bytes: Option<u64>,
 }
 

@@ -130,6 +130,14 @@ where
         .collect()
 }
 
+/// The process's peak resident set (`VmHWM` of /proc/self/status), where the OS reports it.
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// The trainer. Under data parallelism one per rank, each with its own copy of the policy:
 /// every rank samples the same global prompts, rolls out its shard of them, and applies the
 /// same all-reduced gradients, so all copies stay identical.
@@ -486,6 +494,9 @@ impl<B: TrainBackend> Trainer<B> {
         m.rollout_tokens_per_s =
             lengths.iter().sum::<usize>() as f32 / rollout_time.max(1e-9) as f32;
         m.step_time_s = start.elapsed().as_secs_f32();
+        m.peak_memory_bytes = B::memory_usage(&self.model().device())
+            .map(|(_, reserved)| reserved)
+            .or_else(peak_rss_bytes);
         Ok(m)
     }
 
