@@ -6,7 +6,9 @@
 //! on a plain CPU (the default demo trains on it), and it is the reference the GPU path is
 //! checked against.
 
-use std::sync::Arc;
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use burn::backend::NdArray;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
@@ -18,13 +20,58 @@ use crate::NnError;
 
 type Cpu = NdArray<f32>;
 
-/// A weight kept in its host (packed) form.
+/// A weight kept in its host (packed) form, and, while the process's budget of
+/// [`DENSE_CACHE_BYTES`] lasts, its dense f32 rows after first use: small models (the embedded
+/// one: 12 MB dense) then stop paying the dequantization in every forward and backward, large
+/// ones keep only the packed form.
 #[derive(Clone, Debug)]
-pub struct HostWeight(pub Arc<QuantizedWeight>);
+pub struct HostWeight {
+    pub packed: Arc<QuantizedWeight>,
+    dense: Arc<OnceLock<Option<Vec<f32>>>>,
+}
+
+impl HostWeight {
+    pub fn new(packed: QuantizedWeight) -> Self {
+        HostWeight {
+            packed: Arc::new(packed),
+            dense: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// Never caches its dense rows (the path of weights beyond the budget).
+    #[cfg(test)]
+    fn packed_only(packed: QuantizedWeight) -> Self {
+        HostWeight {
+            packed: Arc::new(packed),
+            dense: Arc::new(OnceLock::from(None)),
+        }
+    }
+
+    /// The dense `[n, k]` rows if this weight fits the cache budget (dequantized on first call).
+    fn dense(&self) -> Option<&[f32]> {
+        self.dense
+            .get_or_init(|| {
+                let [n, k] = self.dims();
+                let bytes = n * k * 4;
+                let taken = DENSE_CACHED.fetch_add(bytes, Ordering::Relaxed);
+                if taken + bytes <= DENSE_CACHE_BYTES {
+                    Some(self.packed.dequantize())
+                } else {
+                    DENSE_CACHED.fetch_sub(bytes, Ordering::Relaxed);
+                    None
+                }
+            })
+            .as_deref()
+    }
+}
+
+/// Dense copies of quantized weights the CPU path keeps, in all (process-wide).
+pub const DENSE_CACHE_BYTES: usize = 256 << 20;
+static DENSE_CACHED: AtomicUsize = AtomicUsize::new(0);
 
 impl QuantWeight for HostWeight {
     fn dims(&self) -> [usize; 2] {
-        self.0.shape()
+        self.packed.shape()
     }
 }
 
@@ -68,11 +115,11 @@ impl QerlBackend for Cpu {
         weight: &QuantizedWeight,
         _device: &Self::Device,
     ) -> Result<HostWeight, NnError> {
-        Ok(HostWeight(Arc::new(weight.clone())))
+        Ok(HostWeight::new(weight.clone()))
     }
 
     fn qweight_dequantize(weight: &HostWeight, _device: &Self::Device) -> FloatTensor<Self> {
-        device_tensor(weight.0.dequantize(), weight.dims().to_vec())
+        device_tensor(weight.packed.dequantize(), weight.dims().to_vec())
     }
 
     fn qlinear(
@@ -230,14 +277,18 @@ fn gain(w: Vec<f32>, z: Option<Vec<f32>>) -> Vec<f32> {
 /// Weight rows dequantized together: a tile of `TILE_ROWS x k` f32.
 const TILE_ROWS: usize = 64;
 
-/// Rows `first..first + rows` of the weight, dense, [rows, k].
-fn dequantize_rows(weight: &HostWeight, first: usize, rows: usize) -> Vec<f32> {
+/// Rows `first..first + rows` of the weight, dense, [rows, k]: borrowed from the dense cache,
+/// else dequantized.
+fn dequantize_rows(weight: &HostWeight, first: usize, rows: usize) -> Cow<'_, [f32]> {
     let k = weight.dims()[1];
+    if let Some(dense) = weight.dense() {
+        return Cow::Borrowed(&dense[first * k..(first + rows) * k]);
+    }
     let mut w = vec![0.0f32; rows * k];
     for (r, row) in w.chunks_mut(k).enumerate() {
-        weight.0.dequantize_row(first + r, row);
+        weight.packed.dequantize_row(first + r, row);
     }
-    w
+    Cow::Owned(w)
 }
 
 /// `C = alpha·A·B + beta·C` for A [m, k], B [k, n], C [m, n] given as (row, column) strides
@@ -281,4 +332,83 @@ unsafe fn sgemm(
         rsc as isize,
         csc as isize,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qerl_format::{QuantFormat, SourceDtype};
+    use rand::{Rng, SeedableRng};
+
+    fn random(seed: u64, n: usize) -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// The cached-dense and the packed-only paths against a plain triple loop on the
+    /// dequantized weight: 150 outputs (tiles of 64, a partial last one), 14 rows, LoRA and bias.
+    #[test]
+    fn cached_and_packed_paths_match_the_dense_reference() {
+        let seed = rand::rng().random::<u64>();
+        let (m, n, k, r) = (14, 150, 96, 4);
+        let w = random(seed, n * k);
+        let q = QuantizedWeight::quantize(QuantFormat::Nvfp4, "w", &w, &[n, k], SourceDtype::F32)
+            .unwrap();
+        let deq = q.dequantize();
+        let (x, dy) = (random(seed + 1, m * k), random(seed + 2, m * n));
+        let (bias, a, b) = (
+            random(seed + 3, n),
+            random(seed + 4, r * k),
+            random(seed + 5, n * r),
+        );
+        let scale = 0.5;
+        let dot = |u: &[f32], v: &[f32]| u.iter().zip(v).map(|(p, q)| p * q).sum::<f32>();
+        let mut y_ref = vec![0.0f32; m * n];
+        for i in 0..m {
+            let xi = &x[i * k..(i + 1) * k];
+            let t: Vec<f32> = (0..r).map(|j| dot(xi, &a[j * k..(j + 1) * k])).collect();
+            for o in 0..n {
+                y_ref[i * n + o] = dot(xi, &deq[o * k..(o + 1) * k])
+                    + bias[o]
+                    + scale * dot(&t, &b[o * r..(o + 1) * r]);
+            }
+        }
+        let mut dx_ref = vec![0.0f32; m * k];
+        for i in 0..m {
+            for c in 0..k {
+                dx_ref[i * k + c] = (0..n).map(|o| dy[i * n + o] * deq[o * k + c]).sum();
+            }
+        }
+        let close = |got: &[f32], want: &[f32], what: &str| {
+            let worst = got
+                .iter()
+                .zip(want)
+                .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-4, "{what}: relative error {worst} (seed {seed})");
+        };
+        for (name, weight) in [
+            ("cached", HostWeight::new(q.clone())),
+            ("packed", HostWeight::packed_only(q.clone())),
+        ] {
+            let y = host(Cpu::qlinear(
+                device_tensor(x.clone(), vec![m, k]),
+                &weight,
+                Some(device_tensor(bias.clone(), vec![n])),
+                Some(LoraPrims {
+                    a: device_tensor(a.clone(), vec![r, k]),
+                    b: device_tensor(b.clone(), vec![n, r]),
+                    scale,
+                }),
+            ))
+            .0;
+            close(&y, &y_ref, &format!("{name} y"));
+            let dx = host(Cpu::qlinear_dx(
+                device_tensor(dy.clone(), vec![m, n]),
+                &weight,
+            ))
+            .0;
+            close(&dx, &dx_ref, &format!("{name} dx"));
+        }
+    }
 }
