@@ -1,8 +1,9 @@
 //! The CPU reference path: [`QerlBackend`] for burn's NdArray backend.
 //!
-//! The packed weight is dequantized a tile of [`TILE_ROWS`] rows at a time (never the whole
-//! dense matrix) and each tile goes through `matrixmultiply`'s blocked SGEMM, tiles split over
-//! the machine's cores. Slow next to a GPU, but it makes every module and the whole model run
+//! The packed weight is dequantized a tile of [`TILE_ROWS`] rows at a time and each tile goes
+//! through `matrixmultiply`'s blocked SGEMM, tiles split over the machine's cores. Weights that
+//! fit a process-wide budget ([`DENSE_CACHE_BYTES`]) keep their dense rows after first use;
+//! larger ones are never held dense. Slow next to a GPU, but it makes every module and the whole model run
 //! on a plain CPU (the default demo trains on it), and it is the reference the GPU path is
 //! checked against.
 
