@@ -4,12 +4,13 @@
 //! the same groups; a checkpoint of a 2-rank run resumes with 1 rank; a rank that leaves ends
 //! the others' runs with a message naming it, and the last checkpoint stays usable.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use burn::backend::Autodiff;
-use qerl_rl::data::Example;
 use qerl_rl::metrics::StepMetrics;
 use qerl_rl::reward::{Reward, RewardError, RewardSet};
 use qerl_rl::TrainConfig;
@@ -17,24 +18,9 @@ use qerl_train::dist::local::local_world;
 use qerl_train::peft::{read_safetensors, HostTensor};
 use qerl_train::{run, RunOptions, RunOutcome, TrainSetup, Trainer};
 
+use common::{examples, root, Digits};
+
 type Ad = Autodiff<qerl_nn::backends::Cpu>;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The fraction of digits in the completion: a graded reward, so groups are rarely flat.
-struct Digits;
-
-impl Reward for Digits {
-    fn name(&self) -> &str {
-        "digits"
-    }
-    fn score(&self, completion: &str, _answer: &str) -> Result<f32, RewardError> {
-        let n = completion.chars().count().max(1);
-        Ok(completion.chars().filter(char::is_ascii_digit).count() as f32 / n as f32)
-    }
-}
 
 /// [`Digits`], but 0 for every completion of the examples whose answer is `-`: their groups
 /// are flat, so DAPO's dynamic sampling drops and refills them.
@@ -118,16 +104,10 @@ fn setup(config: TrainConfig, rewards: RewardSet) -> TrainSetup {
         &root().join("tests/fixtures/tokenizers/tiny/tokenizer.json"),
     )
     .unwrap();
-    let examples = ["count", "write", "go", "now", "say it", "add", "list"]
-        .iter()
-        .enumerate()
-        .map(|(i, q)| Example {
-            id: i.to_string(),
-            question: q.to_string(),
-            answer: if i % 3 == 0 { "-" } else { "0" }.into(),
-            solution: String::new(),
-        })
-        .collect();
+    let examples = examples(
+        &["count", "write", "go", "now", "say it", "add", "list"],
+        |i| if i % 3 == 0 { "-" } else { "0" },
+    );
     TrainSetup {
         config,
         tokenizer,

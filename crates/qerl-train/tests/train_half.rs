@@ -1,30 +1,17 @@
 //! The training loop on a half-precision backend (wgpu f16, standing in for CUDA bf16), in a
 //! process of its own (burn's autotune cache is shared between float types on one device).
 
-/// The fraction of ASCII digits in the completion: a graded signal, so advantages are non-zero.
-struct Digits;
-
-impl qerl_rl::reward::Reward for Digits {
-    fn name(&self) -> &str {
-        "digits"
-    }
-    fn score(&self, c: &str, _: &str) -> Result<f32, qerl_rl::reward::RewardError> {
-        let n = c.chars().count().max(1);
-        Ok(c.chars().filter(|c| c.is_ascii_digit()).count() as f32 / n as f32)
-    }
-}
+mod common;
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_f16_training_step_is_finite_and_starts_on_policy_and_resumes() {
     use burn::backend::Autodiff;
-    use qerl_rl::data::Example;
     use qerl_rl::reward::RewardSet;
     use qerl_rl::TrainConfig;
     use qerl_train::{run, RunOptions, TrainSetup, Trainer};
-    use std::path::Path;
     type H = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, half::f16, i32, u32>;
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let root = common::root();
     let tmp = tempfile::tempdir().unwrap();
     let text = std::fs::read_to_string(root.join("configs/tiny-cpu.toml")).unwrap();
     let make_setup = |steps: usize| {
@@ -45,20 +32,11 @@ fn wgpu_f16_training_step_is_finite_and_starts_on_policy_and_resumes() {
             &root.join("tests/fixtures/tokenizers/tiny/tokenizer.json"),
         )
         .unwrap();
-        let examples = ["count", "write", "go", "now"]
-            .iter()
-            .enumerate()
-            .map(|(i, q)| Example {
-                id: i.to_string(),
-                question: q.to_string(),
-                answer: "0".into(),
-                solution: String::new(),
-            })
-            .collect();
+        let examples = common::examples(&["count", "write", "go", "now"], |_| "0");
         TrainSetup {
             config: c.resolved(),
             tokenizer,
-            rewards: RewardSet::new().with(Digits, 1.0),
+            rewards: RewardSet::new().with(common::Digits, 1.0),
             examples,
             chat: false,
         }

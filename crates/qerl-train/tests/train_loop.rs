@@ -2,45 +2,27 @@
 //! rises, checkpoint + resume equals a straight run bit for bit, only LoRA (and trainable
 //! norm) parameters change, and the saved PEFT adapter loads back into the same policy.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use burn::backend::Autodiff;
 use burn::module::AutodiffModule;
 use burn::tensor::Tensor;
 use qerl_model::{load, load_with_adapter, Adapter, LoadOptions, TokenBatch, Tokenizer};
-use qerl_rl::data::Example;
 use qerl_rl::reward::{Reward, RewardError, RewardSet};
 use qerl_rl::TrainConfig;
 use qerl_train::{run, RunOptions, TrainSetup, Trainer};
 
+use common::{examples, root, Digits};
+
 type Cpu = qerl_nn::backends::Cpu;
 type Ad = Autodiff<Cpu>;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn model_dir(arch: &str, precision: &str) -> PathBuf {
     root().join(format!(
         "tests/fixtures/compressed-tensors/{arch}/{precision}"
     ))
-}
-
-/// Pays the fraction of the completion's characters that are ASCII digits: a task a tiny
-/// random model can learn (push up the logits of a class of tokens) with a graded signal.
-struct Digits;
-
-impl Reward for Digits {
-    fn name(&self) -> &str {
-        "digits"
-    }
-    fn score(&self, completion: &str, _answer: &str) -> Result<f32, RewardError> {
-        let n = completion.chars().count();
-        if n == 0 {
-            return Ok(0.0);
-        }
-        Ok(completion.chars().filter(|c| c.is_ascii_digit()).count() as f32 / n as f32)
-    }
 }
 
 /// A reward that fails on every completion containing `e`: must be scored 0 and counted.
@@ -107,16 +89,7 @@ fn setup(config: TrainConfig, rewards: RewardSet) -> TrainSetup {
     let tokenizer =
         Tokenizer::from_file(&root().join("tests/fixtures/tokenizers/tiny/tokenizer.json"))
             .unwrap();
-    let examples = ["count", "write", "go", "now", "say it"]
-        .iter()
-        .enumerate()
-        .map(|(i, q)| Example {
-            id: i.to_string(),
-            question: q.to_string(),
-            answer: "0".into(),
-            solution: String::new(),
-        })
-        .collect();
+    let examples = examples(&["count", "write", "go", "now", "say it"], |_| "0");
     TrainSetup {
         config,
         tokenizer,
