@@ -1,9 +1,12 @@
-# Sourced by the device scripts: keeps cubecl's kernel caches between device calls, so that
-# only the first call on a fresh GPU machine pays for NVRTC (minutes per process).
-#   cache_restore: unpacks .device/cubecl-cache.tgz (carried) into target/
-#   cache_save:    packs target/cuda (PTX from NVRTC), target/autotune (chosen kernels) and
-#                  target/nv-cache (the driver's PTX -> SASS cache) into $OUT/cubecl-cache.tgz;
-#                  here, copy it to .device/cubecl-cache.tgz for the next call.
+# Sourced by the device scripts: cubecl's kernel caches live under target/ (cubecl.toml), and
+# the driver's PTX -> SASS cache joins them there (CUDA_CACHE_PATH). A machine kept warm between
+# device calls keeps target/, so only the first call on a fresh machine pays for NVRTC (~6 min
+# per process there; seconds afterwards, measured 2026-11-22 on an H100).
+#   cache_restore: unpacks .device/cubecl-cache.tgz (if carried) into target/
+#   cache_save:    packs target/cuda (PTX), target/autotune and target/nv-cache into
+#                  $OUT/cubecl-cache.tgz. After the tiny-math runs, the kernel suites and a 1.5B
+#                  model it was 296 MB compressed: past what a device call brings back (16 MiB a
+#                  file), so carrying it to a fresh machine works only for small sets of kernels.
 # The caches are keyed by kernel (and the autotune one by device), so a stale one is harmless.
 export CUDA_CACHE_PATH=$PWD/target/nv-cache CUDA_CACHE_MAXSIZE=1073741824
 cache_restore() {

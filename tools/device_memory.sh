@@ -18,7 +18,7 @@ du -sh /tmp/q15 /tmp/q15-* | tee -a $log
 args=()
 for i in 1 2 3 4 5 6 7 8; do args+=(--prompt "Question $i: what is the sum of the first $i odd numbers?"); done
 for m in q15 q15-nvfp4 q15-mxfp4 q15-nf4; do
-  timeout ${MEM_TIMEOUT:-400} /tmp/qerl generate --device cuda --model /tmp/$m \
+  timeout -k 15 ${MEM_TIMEOUT:-400} /tmp/qerl generate --device cuda --model /tmp/$m \
     --tokenizer tests/fixtures/tokenizers/qwen2.5/tokenizer.json "${args[@]}" --max-new-tokens 64 \
     --temperature 1.0 --seed 1 > /dev/null 2> /tmp/gen-$m.log &
 done

@@ -13,10 +13,10 @@ export CUBECL_AUTOTUNE_LEVEL=minimal
 budget=${RL_BUDGET:-330}
 /tmp/qerl quantize models/tiny-math runs/demo/tiny-math-nvfp4 > $out/quantize.log 2>&1
 common=(--time-budget $budget --set train.steps=${STEPS:-200} --set rollout.batch_prompts=${PROMPTS:-16} --set eval.limit=${EVAL_LIMIT:-64})
-timeout ${RUN_TIMEOUT:-545} /tmp/qerl "${common[@]}" --set 'train.output_dir="runs/nvfp4-aqn"' > $out/nvfp4-aqn.log 2>&1 &
-timeout ${RUN_TIMEOUT:-545} /tmp/qerl "${common[@]}" --set 'train.output_dir="runs/bf16-aqn"' --set 'model.dir="models/tiny-math"' \
+timeout -k 20 ${RUN_TIMEOUT:-545} /tmp/qerl "${common[@]}" --set 'train.output_dir="runs/nvfp4-aqn"' > $out/nvfp4-aqn.log 2>&1 &
+timeout -k 20 ${RUN_TIMEOUT:-545} /tmp/qerl "${common[@]}" --set 'train.output_dir="runs/bf16-aqn"' --set 'model.dir="models/tiny-math"' \
   --set 'model.precision="bf16"' > $out/bf16-aqn.log 2>&1 &
-timeout ${RUN_TIMEOUT:-545} /tmp/qerl "${common[@]}" --set 'train.output_dir="runs/nvfp4-noaqn"' --set 'aqn.schedule="none"' > $out/nvfp4-noaqn.log 2>&1 &
+timeout -k 20 ${RUN_TIMEOUT:-545} /tmp/qerl "${common[@]}" --set 'train.output_dir="runs/nvfp4-noaqn"' --set 'aqn.schedule="none"' > $out/nvfp4-noaqn.log 2>&1 &
 wait
 for r in nvfp4-aqn bf16-aqn nvfp4-noaqn; do
   cp runs/$r/metrics.jsonl $out/$r.metrics.jsonl 2>/dev/null

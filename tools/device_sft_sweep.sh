@@ -9,7 +9,7 @@ out=${OUT:-/tmp}
 [ -x /tmp/qerl ] || tar -xzf .device/qerl.tar.gz -C /tmp
 export CUBECL_AUTOTUNE_LEVEL=minimal
 for n in ${SFT_STEPS:-260 330 420 550}; do
-  timeout ${SFT_TIMEOUT:-500} /tmp/qerl sft --out /tmp/sft-$n --device cuda --steps $n --batch 64 \
+  timeout -k 15 ${SFT_TIMEOUT:-500} /tmp/qerl sft --out /tmp/sft-$n --device cuda --steps $n --batch 64 \
     --lr 1e-3 --warmup 30 --eval-limit ${EVAL_LIMIT:-150} --quiet > /tmp/sft-$n.log 2>&1 &
 done
 wait
