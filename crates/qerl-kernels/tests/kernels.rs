@@ -169,6 +169,33 @@ fn matmul_ref(
     y
 }
 
+/// dX = dY·deq(W) through `matmul_transposed` for a fresh random dY (output poisoned first),
+/// against the f64 reference on the rounded dY.
+#[allow(clippy::too_many_arguments)]
+fn check_dx<R: Runtime, F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    rng: &mut StdRng,
+    dw: &DeviceWeight,
+    deq: &[f32],
+    (m, n, k): (usize, usize, usize),
+    what: &str,
+    tol: f64,
+    seed: u64,
+) {
+    let dy = normal(rng, m * n, 1.0);
+    let dx = poisoned::<R, F>(c, m * k);
+    let dyh = upload::<R, F>(c, &dy);
+    gemm::matmul_transposed::<R, F>(c, &dyh, m, dw, &dx).unwrap();
+    let g = rounded::<F>(&dy);
+    let mut want = vec![0.0; m * k];
+    for i in 0..m {
+        for kk in 0..k {
+            want[i * k + kk] = (0..n).map(|j| g[i * n + j] * deq[j * k + kk] as f64).sum();
+        }
+    }
+    assert_close(what, &read::<R, F>(c, &dx), &want, tol, seed);
+}
+
 pub fn matmul<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
     let c = R::client(device);
     if !supported::<R, F>(&c) {
@@ -274,20 +301,8 @@ pub fn matmul_transposed<R: Runtime, F: Float + CubeElement>(device: &R::Device,
             let dw = DeviceWeight::upload(&c, &w).unwrap();
             let deq = w.dequantize();
             for m in MS {
-                let dy = normal(&mut rng, m * n, 1.0);
-                let dx = poisoned::<R, F>(&c, m * k);
-                let dyh = upload::<R, F>(&c, &dy);
-                gemm::matmul_transposed::<R, F>(&c, &dyh, m, &dw, &dx).unwrap();
-                let g = rounded::<F>(&dy);
-                let mut want = vec![0.0; m * k];
-                for i in 0..m {
-                    for kk in 0..k {
-                        want[i * k + kk] =
-                            (0..n).map(|j| g[i * n + j] * deq[j * k + kk] as f64).sum();
-                    }
-                }
                 let what = format!("dX {format} M={m} N={n} K={k}");
-                assert_close(&what, &read::<R, F>(&c, &dx), &want, tol, seed);
+                check_dx::<R, F>(&c, &mut rng, &dw, &deq, (m, n, k), &what, tol, seed);
             }
         }
     }
@@ -376,27 +391,8 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
             seed,
         );
 
-        let dy = normal(&mut rng, m * n, 1.0);
-        let dyh = upload::<R, F>(&c, &dy);
-        let dx = poisoned::<R, F>(&c, m * k);
-        gemm::matmul_transposed::<R, F>(&c, &dyh, m, &dw, &dx).unwrap();
-        let g = rounded::<F>(&dy);
-        let mut want = vec![0.0; m * k];
-        for i in 0..m {
-            for j in 0..n {
-                let gij = g[i * n + j];
-                for kk in 0..k {
-                    want[i * k + kk] += gij * deq[j * k + kk] as f64;
-                }
-            }
-        }
-        assert_close(
-            &format!("tc dX {what}"),
-            &read::<R, F>(&c, &dx),
-            &want,
-            tol,
-            seed,
-        );
+        let what = format!("tc dX {what}");
+        check_dx::<R, F>(&c, &mut rng, &dw, &deq, (m, n, k), &what, tol, seed);
     }
 }
 
@@ -627,27 +623,8 @@ pub fn matmul_split_k<R: Runtime, F: Float + CubeElement>(device: &R::Device, to
         );
 
         // dX: its reduction is N (a multiple of 32 here), its columns K.
-        let dy = normal(&mut rng, m * n, 1.0);
-        let dyh = upload::<R, F>(&c, &dy);
-        let dx = poisoned::<R, F>(&c, m * k);
-        gemm::matmul_transposed::<R, F>(&c, &dyh, m, &dw, &dx).unwrap();
-        let g = rounded::<F>(&dy);
-        let mut want = vec![0.0; m * k];
-        for i in 0..m {
-            for j in 0..n {
-                let gij = g[i * n + j];
-                for kk in 0..k {
-                    want[i * k + kk] += gij * deq[j * k + kk] as f64;
-                }
-            }
-        }
-        assert_close(
-            &format!("{what} dX"),
-            &read::<R, F>(&c, &dx),
-            &want,
-            tol,
-            seed,
-        );
+        let what = format!("{what} dX");
+        check_dx::<R, F>(&c, &mut rng, &dw, &deq, (m, n, k), &what, tol, seed);
     }
 }
 
