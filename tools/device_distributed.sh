@@ -12,7 +12,10 @@
 #   qerl quantize models/tiny-math runs/demo/tiny-math-nvfp4
 #   TOKENIZER= EXTRA="--set rollout.batch_prompts=16" tools/device_distributed.sh .device/qerl configs/tiny-math.toml 10
 # TOKENIZER: tokenizer.json for a model directory without one (default: the tiny fixture's;
-# empty: the model's own). Everything printed also lands in $OUT (dist.log, metrics of both runs).
+# empty: the model's own). EXTRA1 / EXTRA2: flags for the 1-GPU / 2-GPU run only (e.g. a
+# grad_accum that keeps the micro-batch the same). STAGES (default "runs resume kill"): which
+# parts run; "runs" is "gpu1 gpu2 compare", the two runs and their comparison. Everything printed also lands in $OUT (dist.log,
+# metrics of both runs). tools/device_dist_7b.sh runs it on a Qwen2.5-7B-shaped random model.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 # NVLink multicast stays off on the shared machines (KINDS.md)
 bin=${1:?usage: tools/device_distributed.sh QERL_BINARY [CONFIG] [STEPS]}
@@ -49,13 +52,22 @@ timed() { # name, command...
   return $rc
 }
 
-timed "1 GPU" "$bin" train "${common[@]}" --dist-timeout 300 --set "train.output_dir=\"$out/gpu1\""
-timed "2 GPUs" "$bin" train "${common[@]}" --dist-timeout 300 --gpus 2 --set "train.output_dir=\"$out/gpu2\""
-timed "2 GPUs, then resumed on 1 GPU from step 2" "$bin" train "${common[@]}" --dist-timeout 300 \
-  --resume "$out/gpu2/checkpoint-000002" --set "train.output_dir=\"$out/gpu2to1\""
+stages=" ${STAGES:-runs resume kill} "
+stages=${stages/ runs / gpu1 gpu2 compare }
+if [[ $stages == *" gpu1 "* ]]; then
+  timed "1 GPU" "$bin" train "${common[@]}" ${EXTRA1:-} --dist-timeout 300 --set "train.output_dir=\"$out/gpu1\""
+fi
+if [[ $stages == *" gpu2 "* ]]; then
+  timed "2 GPUs" "$bin" train "${common[@]}" ${EXTRA2:-} --dist-timeout 300 --gpus 2 --set "train.output_dir=\"$out/gpu2\""
+fi
+if [[ $stages == *" resume "* ]]; then
+  timed "2 GPUs, then resumed on 1 GPU from step 2" "$bin" train "${common[@]}" --dist-timeout 300 \
+    --resume "$out/gpu2/checkpoint-000002" --set "train.output_dir=\"$out/gpu2to1\""
+fi
 
+if [[ $stages == *" compare "* ]]; then
 python3 - "$out" "$steps" <<'EOF'
-import json, statistics, sys
+import json, os, statistics, sys
 from safetensors.numpy import load_file
 out, steps = sys.argv[1], int(sys.argv[2])
 def metrics(run):
@@ -73,6 +85,8 @@ for name, m in [("1 GPU", a), ("2 GPUs", b)]:
           f"(steps 1-{len(m) - 1})")
 ckpt = f"checkpoint-{steps:06d}"
 for other in ["gpu2", "gpu2to1"]:
+    if not os.path.isdir(f"{out}/{other}/{ckpt}"):
+        continue
     worst = 0.0
     for f in ["adapter_model.safetensors", "norms.safetensors"]:
         t1, t2 = load_file(f"{out}/gpu1/{ckpt}/{f}"), load_file(f"{out}/{other}/{ckpt}/{f}")
@@ -81,6 +95,8 @@ for other in ["gpu2", "gpu2to1"]:
     print(f"max |adapter/norm difference| gpu1 vs {other} at {ckpt}: {worst:.3e}")
 EOF
 [ $? -eq 0 ] || status=1
+fi
+[[ $stages == *" kill "* ]] || exit $status
 
 # A rank that dies: kill rank 1 once step 1 is logged; rank 0 must end naming it, and the
 # checkpoint of step 2 (if written) must stay loadable.

@@ -187,3 +187,36 @@ impl Reward for FormatReward {
         })
     }
 }
+
+/// The completion's length in characters over `per_point`, capped at 1; the reference answer
+/// is ignored. Not a task reward: a toy one (like TRL's quickstart `reward_len`) that varies on
+/// any text, so a timing run on a random model, whose completions no checker accepts, still
+/// has groups with reward variance and real gradients. Named `length`.
+#[derive(Debug, Clone)]
+pub struct LengthReward {
+    per_point: usize,
+}
+
+impl LengthReward {
+    /// Full reward at 1000 characters.
+    pub fn new() -> Self {
+        Self { per_point: 1000 }
+    }
+}
+
+impl Default for LengthReward {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Reward for LengthReward {
+    fn name(&self) -> &str {
+        "length"
+    }
+
+    fn score(&self, completion: &str, _answer: &str) -> Result<f32, RewardError> {
+        let chars = completion.chars().count();
+        Ok((chars as f32 / self.per_point as f32).min(1.0))
+    }
+}

@@ -14,13 +14,14 @@
 //!   strings, numbers (`\frac{1}{2}` == 0.5 == 1/2) or tuples element-wise.
 //! * [`FormatReward`]: a regular expression the completion must contain, e.g. QeRL's
 //!   `<think>…</think> <answer>…</answer>` layout.
+//! * [`LengthReward`]: a toy reward (characters / 1000) for timing runs on random models.
 
 mod checkers;
 mod extract;
 mod math;
 mod set;
 
-pub use checkers::{FormatReward, Gsm8kMode, Gsm8kReward, Math500Reward};
+pub use checkers::{FormatReward, Gsm8kMode, Gsm8kReward, LengthReward, Math500Reward};
 pub use extract::{
     extract_answer_tag, extract_hash_answer, gsm8k_reference_answer, last_number,
     normalize_number_text, numbers_equal, parse_number,
@@ -39,7 +40,9 @@ pub enum RewardError {
         reason: String,
     },
     /// A reward name that [`by_name`] does not know.
-    #[error("unknown reward `{0}` (known: gsm8k, gsm8k_flexible, math, format, format_boxed)")]
+    #[error(
+        "unknown reward `{0}` (known: gsm8k, gsm8k_flexible, math, format, format_boxed, length)"
+    )]
     Unknown(String),
     /// A [`FormatReward`] pattern that does not compile.
     #[error("reward `{name}`: bad regular expression: {source}")]
@@ -75,6 +78,7 @@ pub trait Reward: Send + Sync {
 /// | `math` (or `math500`) | [`Math500Reward`] |
 /// | `format` | [`FormatReward::think_answer`] |
 /// | `format_boxed` | [`FormatReward::boxed`] |
+/// | `length` | [`LengthReward`] (a toy, for timing runs on random models) |
 pub fn by_name(name: &str) -> Result<Box<dyn Reward>, RewardError> {
     Ok(match name {
         "gsm8k" | "gsm8k_strict" => Box::new(Gsm8kReward::strict()),
@@ -82,6 +86,7 @@ pub fn by_name(name: &str) -> Result<Box<dyn Reward>, RewardError> {
         "math" | "math500" => Box::new(Math500Reward::new()),
         "format" | "format_think_answer" => Box::new(FormatReward::think_answer()),
         "format_boxed" => Box::new(FormatReward::boxed()),
+        "length" => Box::new(LengthReward::new()),
         other => return Err(RewardError::Unknown(other.to_string())),
     })
 }

@@ -229,6 +229,17 @@ fn format_rewards() {
     assert_eq!(by_name("gsm8k_flexible").unwrap().name(), "gsm8k_flexible");
 }
 
+#[test]
+fn length_reward_counts_characters_and_caps_at_one() {
+    let l = by_name("length").unwrap();
+    assert_eq!(l.name(), "length");
+    assert_eq!(l.score("", "7").unwrap(), 0.0);
+    assert!((l.score(&"ab".repeat(150), "7").unwrap() - 0.3).abs() < 1e-6);
+    // characters, not bytes
+    assert!((l.score(&"é".repeat(500), "").unwrap() - 0.5).abs() < 1e-6);
+    assert_eq!(l.score(&"x".repeat(5000), "").unwrap(), 1.0);
+}
+
 struct Panicky;
 impl Reward for Panicky {
     fn name(&self) -> &str {
