@@ -2,7 +2,7 @@
 # One device call that runs several GPU jobs side by side (NVRTC compiling is CPU-bound and
 # per process, so parallel jobs share the wait) and keeps cubecl's kernel caches for the next
 # call (tools/device_cache.sh). Stages, any of:
-#   sft-sweep    tools/device_sft_sweep.sh (SFT_STEPS)
+#   sft-sweep    tools/device_sft_sweep.sh (SFT_RUNS)
 #   warm         two short demo runs (NVFP4 and BF16 LoRA) that only fill the kernel caches
 #   tests        the CUDA test suites: .device/tests.tar.xz (kernels, modules, parity binaries)
 #   model-check  tools/device_model_check.py (score / generate against transformers; carry .whl)

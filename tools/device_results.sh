@@ -5,6 +5,7 @@
 # Here:  CARGO_TARGET_DIR=/tmp/tgt-rel cargo build --release -p qerl-train --features cuda
 #        cp /tmp/tgt-rel/release/qerl .device/qerl && strip .device/qerl && tar -czf .device/qerl.tar.gz -C .device qerl && rm .device/qerl
 # There: bash tools/device_results.sh   (device tool, carry .device)
+# Knobs: RL_BUDGET (training seconds a run), STEPS, PROMPTS, EVAL_LIMIT, EVAL_INTERVAL, RUN_TIMEOUT.
 set -uo pipefail
 out=${OUT:-/tmp}
 tar -xzf .device/qerl.tar.gz -C /tmp
@@ -12,7 +13,8 @@ tar -xzf .device/qerl.tar.gz -C /tmp
 export CUBECL_AUTOTUNE_LEVEL=minimal
 budget=${RL_BUDGET:-330}
 /tmp/qerl quantize models/tiny-math runs/demo/tiny-math-nvfp4 > $out/quantize.log 2>&1
-common=(--time-budget $budget --set train.steps=${STEPS:-200} --set rollout.batch_prompts=${PROMPTS:-16} --set eval.limit=${EVAL_LIMIT:-64})
+common=(--time-budget $budget --set train.steps=${STEPS:-200} --set rollout.batch_prompts=${PROMPTS:-16} --set eval.limit=${EVAL_LIMIT:-64}
+  --set train.eval_interval=${EVAL_INTERVAL:-0})
 timeout -k 20 ${RUN_TIMEOUT:-545} /tmp/qerl "${common[@]}" --set 'train.output_dir="runs/nvfp4-aqn"' > $out/nvfp4-aqn.log 2>&1 &
 timeout -k 20 ${RUN_TIMEOUT:-545} /tmp/qerl "${common[@]}" --set 'train.output_dir="runs/bf16-aqn"' --set 'model.dir="models/tiny-math"' \
   --set 'model.precision="bf16"' > $out/bf16-aqn.log 2>&1 &
@@ -20,8 +22,11 @@ timeout -k 20 ${RUN_TIMEOUT:-545} /tmp/qerl "${common[@]}" --set 'train.output_d
 wait
 for r in nvfp4-aqn bf16-aqn nvfp4-noaqn; do
   cp runs/$r/metrics.jsonl $out/$r.metrics.jsonl 2>/dev/null
+  cp runs/$r/eval.jsonl $out/$r.eval.jsonl 2>/dev/null
+  cp runs/$r/metrics.png $out/$r.png 2>/dev/null
 done
-tar -czf $out/results.tgz -C $out $(cd $out && ls *.metrics.jsonl *.log 2>/dev/null) && rm -f $out/*.metrics.jsonl
+tar -czf $out/results.tgz -C $out $(cd $out && ls *.metrics.jsonl *.eval.jsonl *.png *.log 2>/dev/null) &&
+  rm -f $out/*.metrics.jsonl $out/*.eval.jsonl $out/*.png
 for r in nvfp4-aqn bf16-aqn nvfp4-noaqn; do
   echo "== $r"; grep -v "^step " $out/$r.log | tr '\r' '\n' | grep -v "^\s*$" | tail -n 9
 done

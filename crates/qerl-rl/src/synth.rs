@@ -94,6 +94,24 @@ fn step(op: Op, name: &str, item: &str, cur: u64, b: u64) -> Option<(String, Str
     Some((sentence, line, next))
 }
 
+impl SynthProblem {
+    /// The solution without its working: the final `#### N` line alone.
+    pub fn shortcut_answer(&self) -> String {
+        format!("#### {}", self.result)
+    }
+}
+
+/// Whether a completion answers without working: it starts with the final `####` line.
+pub fn is_shortcut(completion: &str) -> bool {
+    completion.trim_start().starts_with("####")
+}
+
+/// Fraction of `completions` that answer without working ([`is_shortcut`]); 0 for none.
+pub fn shortcut_share(completions: &[&str]) -> f64 {
+    let n = completions.iter().filter(|c| is_shortcut(c)).count();
+    n as f64 / completions.len().max(1) as f64
+}
+
 /// Draws one problem (either split).
 pub fn draw(rng: &mut impl Rng, cfg: &SynthConfig) -> SynthProblem {
     let name = NAMES[rng.random_range(0..NAMES.len())];
@@ -184,6 +202,18 @@ mod tests {
             let s = reward.score(&p.answer, &p.result.to_string()).unwrap();
             assert_eq!(s, 1.0, "{}", p.answer);
         }
+    }
+
+    #[test]
+    fn shortcut_answers_score_and_are_recognised() {
+        let reward = Gsm8kReward::strict();
+        let p = &generate(Split::Train, 1, 7, &SynthConfig::default())[0];
+        let short = p.shortcut_answer();
+        assert_eq!(reward.score(&short, &p.result.to_string()).unwrap(), 1.0);
+        assert!(is_shortcut(&short) && is_shortcut(&format!(" \n{short}")));
+        assert!(!is_shortcut(&p.answer));
+        assert_eq!(shortcut_share(&[&short, &p.answer, &p.answer, &short]), 0.5);
+        assert_eq!(shortcut_share(&[]), 0.0);
     }
 
     #[test]

@@ -52,6 +52,8 @@ fn sft_makes_a_model_that_learns_and_loads_back() {
         "4",
         "--eval-max-new-tokens",
         "16",
+        "--shortcut-fraction",
+        "0.5",
         "--device",
         "cpu",
         "--quiet",
@@ -123,6 +125,11 @@ fn sft_makes_a_model_that_learns_and_loads_back() {
     let eval = summary["eval"].as_array().unwrap();
     assert_eq!(eval.len(), 2);
     assert_eq!(eval[0]["questions"], 4);
+    assert_eq!(summary["shortcut_fraction"], 0.5);
+    for e in eval {
+        let share = e["shortcut"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&share), "{e}");
+    }
     assert!(summary["parameters"].as_u64().unwrap() > 10_000);
 
     // The bf16 checkpoint loads as an ordinary dense model and scores a text.

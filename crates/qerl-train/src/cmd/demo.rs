@@ -37,6 +37,11 @@ pub struct Args {
     pub time_budget: Option<f64>,
 }
 
+/// Where the demo's config puts the NVFP4 copy of the model (relative to the repository root).
+const DEFAULT_QUANTIZED: &str = "runs/demo/tiny-math-nvfp4";
+/// File that marks a quantized copy as the demo's own, to replace on every run.
+const DEMO_MARK: &str = ".qerl-demo";
+
 /// The repository root: the current directory when it holds `models/tiny-math`, else the
 /// checkout this binary was built from.
 fn repo_root() -> PathBuf {
@@ -75,15 +80,33 @@ pub fn run(args: Args) -> Result<()> {
     let test_file = under(&root, Path::new(&config.eval.dataset));
     config.eval.dataset = test_file.display().to_string();
 
-    // 1. NVFP4 weights.
+    // 1. NVFP4 weights, quantized afresh every run (well under a second) into a directory the
+    // demo owns (its default one, or one it marked), so a copy left by an older checkout of the
+    // model is never trained in its place. A directory of the user's is used as it is; a config
+    // whose model is models/tiny-math itself (`--set model.precision="bf16"` with that dir)
+    // trains it unquantized.
     let q_dir = config.model.dir.clone();
-    if !q_dir.join("config.json").is_file() {
+    let is_source = match (q_dir.canonicalize(), model_src.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    let owned = q_dir == root.join(DEFAULT_QUANTIZED) || q_dir.join(DEMO_MARK).is_file();
+    if !is_source && owned && q_dir.exists() {
+        std::fs::remove_dir_all(&q_dir)
+            .with_context(|| format!("cannot replace `{}`", q_dir.display()))?;
+    }
+    if !is_source && !q_dir.exists() {
         eprintln!(
             "quantizing {} to NVFP4 -> {}",
             model_src.display(),
             q_dir.display()
         );
         let report = quantize_checkpoint(&model_src, &q_dir, QuantFormat::Nvfp4, &mut |_| {})?;
+        std::fs::write(
+            q_dir.join(DEMO_MARK),
+            "written by `qerl` (the demo); replaced every run\n",
+        )
+        .with_context(|| format!("cannot write into `{}`", q_dir.display()))?;
         eprintln!(
             "{} linears quantized, {:.1} MB -> {:.1} MB",
             report.layers.len(),
@@ -104,12 +127,22 @@ pub fn run(args: Args) -> Result<()> {
     go::<burn::backend::Autodiff<qerl_nn::backends::Cpu>>(config, &test_file, args.time_budget)
 }
 
+/// Held-out accuracy of the NVFP4 model, with or without an adapter.
+struct HeldOut {
+    /// Strict accuracy.
+    accuracy: f64,
+    questions: usize,
+    /// Fraction of the answers that show their working (the model knows two ways to answer;
+    /// see models/tiny-math/README.md).
+    worked: f64,
+}
+
 /// Greedy held-out accuracy (strict) of the NVFP4 model, with or without an adapter.
 fn accuracy<B: qerl_model::QerlBackend>(
     config: &TrainConfig,
     test_file: &Path,
     adapter: Option<&Path>,
-) -> Result<(f64, usize)> {
+) -> Result<HeldOut> {
     let dir = &config.model.dir;
     let tokenizer = Tokenizer::for_model(dir, None)?;
     let mut examples = load_jsonl(test_file, &FieldSpec::gsm8k())?;
@@ -134,16 +167,22 @@ fn accuracy<B: qerl_model::QerlBackend>(
         batch: 64,
     };
     let r = evaluate(&model, &tokenizer, dir, &examples, &spec, |_| {})?;
-    Ok((r.tally.strict(), r.tally.questions))
+    let texts: Vec<&str> = r.records.iter().map(|x| x.text.as_str()).collect();
+    Ok(HeldOut {
+        accuracy: r.tally.strict(),
+        questions: r.tally.questions,
+        worked: 1.0 - qerl_rl::synth::shortcut_share(&texts),
+    })
 }
 
 fn go<B: TrainBackend>(config: TrainConfig, test_file: &Path, budget: Option<f64>) -> Result<()> {
     let start = std::time::Instant::now();
-    let (before, n) = accuracy::<B::InnerBackend>(&config, test_file, None)
+    let before = accuracy::<B::InnerBackend>(&config, test_file, None)
         .context("evaluating the NVFP4 model before training")?;
     eprintln!(
-        "held-out accuracy before RL: {:.1}% ({n} questions)",
-        100.0 * before
+        "held-out accuracy before RL: {:.1}% ({} questions)",
+        100.0 * before.accuracy,
+        before.questions
     );
     let setup = TrainSetup::from_config(config.clone(), None)?;
     let mut trainer = Trainer::<B>::new(setup, &B::Device::default())?;
@@ -166,7 +205,7 @@ fn go<B: TrainBackend>(config: TrainConfig, test_file: &Path, budget: Option<f64
         .checkpoint
         .clone()
         .context("the run wrote no checkpoint")?;
-    let (after, _) = accuracy::<B::InnerBackend>(&config, test_file, Some(&adapter))
+    let after = accuracy::<B::InnerBackend>(&config, test_file, Some(&adapter))
         .context("evaluating the trained adapter")?;
     let m = &out.metrics;
     let first = m.first().map_or(f32::NAN, |x| x.reward_mean);
@@ -178,17 +217,29 @@ fn go<B: TrainBackend>(config: TrainConfig, test_file: &Path, budget: Option<f64
     };
     let precision = format!("{:?}", config.model.precision).to_uppercase();
     let loss = format!("{:?}", config.loss.kind).to_uppercase();
-    println!("| tiny-math, {precision} + LoRA, {loss}, {aqn} | held-out accuracy ({n}, greedy) | train reward |");
-    println!("| --- | ---: | ---: |");
     println!(
-        "| before RL | {:.1}% | {first:.3} (step 0) |",
-        100.0 * before
+        "| tiny-math, {precision} + LoRA, {loss}, {aqn} | held-out accuracy ({}, greedy) | answers showing their working | train reward |",
+        before.questions
     );
-    println!(
-        "| after {} steps | {:.1}% | {last:.3} (last step) |",
-        out.steps,
-        100.0 * after
-    );
+    println!("| --- | ---: | ---: | ---: |");
+    for (name, h, reward) in [
+        (
+            "before RL".to_string(),
+            &before,
+            format!("{first:.3} (step 0)"),
+        ),
+        (
+            format!("after {} steps", out.steps),
+            &after,
+            format!("{last:.3} (last step)"),
+        ),
+    ] {
+        println!(
+            "| {name} | {:.1}% | {:.1}% | {reward} |",
+            100.0 * h.accuracy,
+            100.0 * h.worked
+        );
+    }
     println!();
     println!("time: {:.0} s", start.elapsed().as_secs_f64());
     println!("plot:    {}", out.plot_path.display());

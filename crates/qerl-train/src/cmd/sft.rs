@@ -28,6 +28,8 @@ use qerl_rl::prompt::PromptTemplate;
 use qerl_rl::synth::{generate, SynthConfig, SynthProblem};
 use qerl_train::evaluate::{evaluate, EvalSpec};
 use qerl_train::sft::{encode_examples, init_model_dir, train, ModelShape, SftLog, SftOptions};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -87,6 +89,10 @@ pub struct Args {
     pub max_operand: u32,
     #[arg(long, default_value_t = 5)]
     pub max_factor: u32,
+    /// Fraction of the supervised solutions written as the final line alone (`#### N`, no
+    /// working): the model learns two ways to answer, and RL has a choice to make between them.
+    #[arg(long, default_value_t = 0.0)]
+    pub shortcut_fraction: f64,
     /// Held-out questions evaluated at the end (0: none).
     #[arg(long, default_value_t = 200)]
     pub eval_limit: usize,
@@ -268,10 +274,7 @@ where
         .token_to_id("<|im_end|>")
         .context("the tokenizer has no <|im_end|>")?;
     let pad = tokenizer.token_to_id("<|endoftext|>").unwrap_or(0);
-    let pairs: Vec<(String, String)> = sft_problems
-        .iter()
-        .map(|p| (p.question.clone(), p.answer.clone()))
-        .collect();
+    let pairs = supervised_pairs(&sft_problems, args.shortcut_fraction, args.seed)?;
     let template = PromptTemplate::bare();
     let chat = ChatTemplate::for_model(out)?;
     let data = encode_examples(&pairs, &tokenizer, &chat, &template, eos)?;
@@ -354,15 +357,19 @@ where
                 batch: 64,
             };
             let r = evaluate(&saved, &tokenizer, out, &test, &spec, |_| {})?;
+            let texts: Vec<&str> = r.records.iter().map(|x| x.text.as_str()).collect();
+            let shortcut = qerl_rl::synth::shortcut_share(&texts);
             eprintln!(
-                "held-out accuracy, {name}: {:.1}% strict ({} questions x {samples})",
+                "held-out accuracy, {name}: {:.1}% strict ({} questions x {samples}), {:.1}% of the answers without working",
                 100.0 * r.tally.strict(),
-                r.tally.questions
+                r.tally.questions,
+                100.0 * shortcut
             );
             results.push(json!({
                 "decoding": name, "temperature": temperature, "top_p": 0.95,
                 "samples_per_question": samples, "questions": r.tally.questions,
                 "strict": r.tally.strict(), "flexible": r.tally.flexible(),
+                "shortcut": shortcut,
             }));
         }
     }
@@ -373,7 +380,7 @@ where
         "steps": steps_done, "batch": opt.batch, "lr": opt.lr,
         "train_seconds": train_secs, "total_seconds": t0.elapsed().as_secs_f64(),
         "completion_tokens": tokens, "final_loss": last_loss,
-        "synth": synth, "seed": args.seed,
+        "synth": synth, "shortcut_fraction": args.shortcut_fraction, "seed": args.seed,
         "eval": results,
     });
     qerl_model::export::write_atomic(
@@ -382,4 +389,59 @@ where
     )?;
     eprintln!("model: {}", out.display());
     Ok(())
+}
+
+/// The (question, written solution) pairs of supervised training: the worked solution, or with
+/// probability `shortcut` (drawn per problem from `seed`) only its final `#### N` line.
+fn supervised_pairs(
+    problems: &[SynthProblem],
+    shortcut: f64,
+    seed: u64,
+) -> Result<Vec<(String, String)>> {
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&shortcut),
+        "--shortcut-fraction must lie in [0, 1], got {shortcut}"
+    );
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5407_c0de);
+    Ok(problems
+        .iter()
+        .map(|p| {
+            let answer = if rng.random_bool(shortcut) {
+                p.shortcut_answer()
+            } else {
+                p.answer.clone()
+            };
+            (p.question.clone(), answer)
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qerl_rl::synth::is_shortcut;
+
+    #[test]
+    fn supervised_pairs_write_the_asked_share_of_shortcuts() {
+        let problems = generate(Split::Train, 400, 3, &SynthConfig::default());
+        let share = |f: f64| {
+            let pairs = supervised_pairs(&problems, f, 7).unwrap();
+            for ((q, a), p) in pairs.iter().zip(&problems) {
+                assert_eq!(q, &p.question);
+                assert!(a == &p.answer || a == &p.shortcut_answer(), "{a}");
+            }
+            pairs.iter().filter(|(_, a)| is_shortcut(a)).count() as f64 / pairs.len() as f64
+        };
+        assert_eq!(share(0.0), 0.0);
+        assert_eq!(share(1.0), 1.0);
+        let half = share(0.5);
+        assert!((0.4..0.6).contains(&half), "{half}");
+        // reproducible from the seed
+        assert_eq!(
+            supervised_pairs(&problems, 0.5, 7).unwrap(),
+            supervised_pairs(&problems, 0.5, 7).unwrap()
+        );
+        assert!(supervised_pairs(&problems, 1.5, 7).is_err());
+        assert!(supervised_pairs(&problems, f64::NAN, 7).is_err());
+    }
 }
