@@ -1,9 +1,9 @@
 //! The CPU reference path: [`QerlBackend`] for burn's NdArray backend.
 //!
-//! The packed weight is dequantized a tile of [`TILE_ROWS`] rows at a time and each tile goes
-//! through `matrixmultiply`'s blocked SGEMM, tiles split over the machine's cores. Weights that
-//! fit a process-wide budget ([`DENSE_CACHE_BYTES`]) keep their dense rows after first use;
-//! larger ones are never held dense. Slow next to a GPU, but it makes every module and the whole model run
+//! Weights that fit a process-wide budget ([`DENSE_CACHE_BYTES`]) keep their dense rows after
+//! first use and multiply through `matrixmultiply`'s blocked SGEMM in one call per block of
+//! input rows (blocks split over the machine's cores). Larger ones are never held dense: they are
+//! dequantized a tile of [`TILE_ROWS`] rows at a time, each tile through the same SGEMM. Slow next to a GPU, but it makes every module and the whole model run
 //! on a plain CPU (the default demo trains on it), and it is the reference the GPU path is
 //! checked against.
 
@@ -108,6 +108,21 @@ fn par_chunks(out: &mut [f32], chunk_len: usize, f: impl Fn(usize, &mut [f32]) +
     });
 }
 
+/// Runs `f(first_row, block)` over `out` ([rows, cols]) cut into blocks of whole rows, one per
+/// core; a product too small to pay for threads ([`MIN_ROWS_PER_THREAD`]) runs on this one.
+fn par_row_blocks(out: &mut [f32], rows: usize, cols: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let block = rows.div_ceil(threads).max(MIN_ROWS_PER_THREAD);
+    if block >= rows {
+        f(0, out);
+        return;
+    }
+    par_chunks(out, block * cols, |b, chunk| f(b * block, chunk));
+}
+
+/// Fewest rows of a product worth a thread of their own (decoding's few rows run on one).
+const MIN_ROWS_PER_THREAD: usize = 64;
+
 impl QerlBackend for Cpu {
     type QWeight = HostWeight;
 
@@ -133,15 +148,44 @@ impl QerlBackend for Cpu {
         let (x, shape) = host(x);
         let m = shape[0];
         assert_eq!(shape[1], k, "qlinear: x is {shape:?}, weight is [{n}, {k}]");
-        // Computed transposed, [n, m]: each task owns a tile of weight rows, yᵀ_tile = W_tile·xᵀ.
-        let mut yt = vec![0.0f32; n * m];
-        par_chunks(&mut yt, TILE_ROWS * m, |tile, out| {
-            let rows = out.len() / m;
-            let w = dequantize_rows(weight, tile * TILE_ROWS, rows);
-            // SAFETY: w is [rows, k], x is [m, k] read as xᵀ [k, m], out is [rows, m].
-            unsafe { sgemm(rows, k, m, 1.0, &w, (k, 1), &x, (1, k), 0.0, out, (m, 1)) };
-        });
-        let mut y: Vec<f32> = (0..m * n).map(|i| yt[(i % n) * m + i / n]).collect();
+        let mut y = vec![0.0f32; m * n];
+        if let Some(w) = weight.dense() {
+            // Dense rows at hand: blocks of x rows, y_block = x_block·Wᵀ, one SGEMM each.
+            par_row_blocks(&mut y, m, n, |first, out| {
+                let rows = out.len() / n;
+                // SAFETY: x rows first.. [rows, k]; w [n, k] read as Wᵀ [k, n]; out [rows, n].
+                unsafe {
+                    sgemm(
+                        rows,
+                        k,
+                        n,
+                        1.0,
+                        &x[first * k..],
+                        (k, 1),
+                        w,
+                        (1, k),
+                        0.0,
+                        out,
+                        (n, 1),
+                    )
+                };
+            });
+        } else {
+            // Computed transposed, [n, m]: each task owns a tile of weight rows, which it
+            // dequantizes once: yᵀ_tile = W_tile·xᵀ.
+            let mut yt = vec![0.0f32; n * m];
+            par_chunks(&mut yt, TILE_ROWS * m, |tile, out| {
+                let rows = out.len() / m;
+                let w = dequantize_rows(weight, tile * TILE_ROWS, rows);
+                // SAFETY: w is [rows, k], x is [m, k] read as xᵀ [k, m], out is [rows, m].
+                unsafe { sgemm(rows, k, m, 1.0, &w, (k, 1), &x, (1, k), 0.0, out, (m, 1)) };
+            });
+            for (j, col) in yt.chunks(m).enumerate() {
+                for (i, v) in col.iter().enumerate() {
+                    y[i * n + j] = *v;
+                }
+            }
+        }
         if let Some(b) = bias {
             let b = host(b).0;
             y.chunks_mut(n)
@@ -184,6 +228,28 @@ impl QerlBackend for Cpu {
             "qlinear_dx: dy is {shape:?}, weight is [{n}, {k}]"
         );
         let mut dx = vec![0.0f32; m * k];
+        if let Some(w) = weight.dense() {
+            par_row_blocks(&mut dx, m, k, |first, out| {
+                let rows = out.len() / k;
+                // SAFETY: dy rows first.. [rows, n]; w [n, k]; out [rows, k].
+                unsafe {
+                    sgemm(
+                        rows,
+                        n,
+                        k,
+                        1.0,
+                        &dy[first * n..],
+                        (n, 1),
+                        w,
+                        (k, 1),
+                        0.0,
+                        out,
+                        (k, 1),
+                    )
+                };
+            });
+            return device_tensor(dx, vec![m, k]);
+        }
         // Each task owns a block of dx rows and streams over the weight in tiles:
         // dx_block += dy_block[:, tile]·W_tile.
         let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
