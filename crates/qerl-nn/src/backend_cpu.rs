@@ -120,6 +120,57 @@ fn par_row_blocks(out: &mut [f32], rows: usize, cols: usize, f: impl Fn(usize, &
     par_chunks(out, block * cols, |b, chunk| f(b * block, chunk));
 }
 
+/// `out [m, cols] = a [m, inner] · b`, `b` holding `[inner, cols]` read with the given (row,
+/// column) strides (row-major, or the transpose of a row-major `[cols, inner]`), in blocks of
+/// rows over the cores.
+fn row_blocks_times(
+    out: &mut [f32],
+    a: &[f32],
+    inner: usize,
+    b: &[f32],
+    b_strides: (usize, usize),
+) {
+    if a.is_empty() || out.is_empty() {
+        return;
+    }
+    let m = a.len() / inner;
+    let cols = out.len() / m;
+    assert_eq!(
+        (m * inner, m * cols),
+        (a.len(), out.len()),
+        "row_blocks_times: shapes"
+    );
+    assert_eq!(
+        b.len(),
+        inner * cols,
+        "row_blocks_times: b is not [inner, cols]"
+    );
+    assert!(
+        b_strides == (cols, 1) || b_strides == (1, inner),
+        "row_blocks_times: b's strides"
+    );
+    par_row_blocks(out, m, cols, |first, block| {
+        let rows = block.len() / cols;
+        // SAFETY: a's rows first.. are [rows, inner]; b holds inner·cols values laid out as
+        // its strides say (asserted above); block is [rows, cols].
+        unsafe {
+            sgemm(
+                rows,
+                inner,
+                cols,
+                1.0,
+                &a[first * inner..],
+                (inner, 1),
+                b,
+                b_strides,
+                0.0,
+                block,
+                (cols, 1),
+            )
+        };
+    });
+}
+
 /// Fewest rows of a product worth a thread of their own (decoding's few rows run on one).
 const MIN_ROWS_PER_THREAD: usize = 64;
 
@@ -150,26 +201,8 @@ impl QerlBackend for Cpu {
         assert_eq!(shape[1], k, "qlinear: x is {shape:?}, weight is [{n}, {k}]");
         let mut y = vec![0.0f32; m * n];
         if let Some(w) = weight.dense() {
-            // Dense rows at hand: blocks of x rows, y_block = x_block·Wᵀ, one SGEMM each.
-            par_row_blocks(&mut y, m, n, |first, out| {
-                let rows = out.len() / n;
-                // SAFETY: x rows first.. [rows, k]; w [n, k] read as Wᵀ [k, n]; out [rows, n].
-                unsafe {
-                    sgemm(
-                        rows,
-                        k,
-                        n,
-                        1.0,
-                        &x[first * k..],
-                        (k, 1),
-                        w,
-                        (1, k),
-                        0.0,
-                        out,
-                        (n, 1),
-                    )
-                };
-            });
+            // Dense rows at hand: y = x·Wᵀ, W [n, k] read as Wᵀ [k, n].
+            row_blocks_times(&mut y, &x, k, w, (1, k));
         } else {
             // Computed transposed, [n, m]: each task owns a tile of weight rows, which it
             // dequantizes once: yᵀ_tile = W_tile·xᵀ.
@@ -229,25 +262,8 @@ impl QerlBackend for Cpu {
         );
         let mut dx = vec![0.0f32; m * k];
         if let Some(w) = weight.dense() {
-            par_row_blocks(&mut dx, m, k, |first, out| {
-                let rows = out.len() / k;
-                // SAFETY: dy rows first.. [rows, n]; w [n, k]; out [rows, k].
-                unsafe {
-                    sgemm(
-                        rows,
-                        n,
-                        k,
-                        1.0,
-                        &dy[first * n..],
-                        (n, 1),
-                        w,
-                        (k, 1),
-                        0.0,
-                        out,
-                        (k, 1),
-                    )
-                };
-            });
+            // dx = dy·W, W [n, k].
+            row_blocks_times(&mut dx, &dy, n, w, (k, 1));
             return device_tensor(dx, vec![m, k]);
         }
         // Each task owns a block of dx rows and streams over the weight in tiles:
