@@ -10,6 +10,9 @@ use thiserror::Error;
 pub enum KernelError {
     #[error("{kernel}: {what}")]
     Shape { kernel: &'static str, what: String },
+    /// The vendor library (cuBLAS) failed or could not be reached.
+    #[error("cuBLAS: {what}")]
+    Vendor { what: String },
 }
 
 pub(crate) fn shape_err(kernel: &'static str, what: String) -> KernelError {

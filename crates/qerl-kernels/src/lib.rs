@@ -13,6 +13,9 @@
 //! tables so that one kernel serves NVFP4, MXFP4 and NF4. wgpu cannot take `u8` kernel
 //! arguments, hence the `u32` words.
 
+#[cfg(feature = "cuda")]
+mod cublas;
+pub mod dense;
 pub mod dequant;
 mod device;
 pub mod gemm;

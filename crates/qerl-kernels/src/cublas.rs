@@ -1,0 +1,225 @@
+//! cuBLAS on cubecl's buffers: the vendor half of the "dequantize, then GEMM" strategy.
+//!
+//! cubecl 0.10 emits no `wgmma`, so on Hopper its tensor-core kernels reach a fraction of the
+//! chip's bf16 rate; cuBLAS reaches most of it. For large M the decode of a 4-bit weight into a
+//! dense buffer ([`crate::dense`]) is cheap next to the product, so decoding once and handing the
+//! product to cuBLAS wins. libcublas is loaded at run time (cudarc's dynamic loading, the same
+//! way cubecl-cuda loads the driver and NVRTC); without it this path reports itself unavailable.
+//!
+//! cubecl does not expose its CUDA stream, so the two sides are ordered through the host: wait
+//! for cubecl's queue, run the GEMMs on our stream (same primary context, same device memory),
+//! wait for them. The autotuner times these syncs as part of the strategy, so it is picked only
+//! where it still wins.
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cudarc::cublas::{result as blas, sys, CudaBlas};
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::device::KernelError;
+
+/// Set to `0` to keep every product on the cubecl kernels.
+pub const ENV_SWITCH: &str = "QERL_CUBLAS";
+
+fn err(what: impl std::fmt::Display) -> KernelError {
+    KernelError::Vendor {
+        what: what.to_string(),
+    }
+}
+
+/// Whether libcublas can be loaded here (and `QERL_CUBLAS` is not `0`).
+pub fn available() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        std::env::var(ENV_SWITCH).map_or(true, |v| v != "0")
+            // SAFETY: only tries to dlopen the library names cudarc knows.
+            && unsafe { sys::is_culib_present() }
+    })
+}
+
+/// The cuBLAS element type of `F`: bf16 and f16 (f32 stays on the cubecl kernels: cuBLAS would
+/// run it as TF32 or on CUDA cores, neither what a caller of an f32 product expects).
+pub(crate) fn data_type<F: 'static>() -> Option<sys::cudaDataType> {
+    let t = TypeId::of::<F>();
+    if t == TypeId::of::<half::bf16>() {
+        Some(sys::cudaDataType::CUDA_R_16BF)
+    } else if t == TypeId::of::<half::f16>() {
+        Some(sys::cudaDataType::CUDA_R_16F)
+    } else {
+        None
+    }
+}
+
+/// The client as a CUDA client, or `None` on another runtime.
+pub(crate) fn cuda_client<R: Runtime>(
+    client: &ComputeClient<R>,
+) -> Option<&ComputeClient<CudaRuntime>> {
+    (client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()
+}
+
+/// One column-major product `C = alpha·op(A)·op(B) + beta·C` (cuBLAS's conventions: `m x n`
+/// output, `k` deep, leading dimensions in elements), on cubecl buffers.
+pub(crate) struct Gemm<'a> {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: &'a Handle,
+    pub lda: usize,
+    pub b: &'a Handle,
+    pub ldb: usize,
+    pub c: &'a Handle,
+    pub ldc: usize,
+    pub ab_type: sys::cudaDataType,
+    pub c_type: sys::cudaDataType,
+    pub alpha: f32,
+    pub beta: f32,
+}
+
+struct DeviceBlas {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+}
+
+fn device_blas(ordinal: usize) -> Result<Arc<DeviceBlas>, KernelError> {
+    static ALL: OnceLock<Mutex<HashMap<usize, Arc<DeviceBlas>>>> = OnceLock::new();
+    let mut all = ALL
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| err("cuBLAS state poisoned"))?;
+    if let Some(d) = all.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let ctx =
+        CudaContext::new(ordinal).map_err(|e| err(format!("CUDA context {ordinal}: {e:?}")))?;
+    let stream = ctx
+        .new_stream()
+        .map_err(|e| err(format!("CUDA stream: {e:?}")))?;
+    let blas = CudaBlas::new(stream.clone()).map_err(|e| err(format!("cublasCreate: {e:?}")))?;
+    let d = Arc::new(DeviceBlas { ctx, stream, blas });
+    all.insert(ordinal, d.clone());
+    Ok(d)
+}
+
+fn elem_bytes(t: sys::cudaDataType) -> usize {
+    match t {
+        sys::cudaDataType::CUDA_R_32F => 4,
+        _ => 2,
+    }
+}
+
+/// Runs `gemms` in order after everything queued on `client` so far; returns when they are done.
+pub(crate) fn run<R: Runtime>(
+    client: &ComputeClient<R>,
+    gemms: &[Gemm<'_>],
+) -> Result<(), KernelError> {
+    let client = cuda_client(client).ok_or_else(|| err("cuBLAS needs the CUDA runtime"))?;
+    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
+    // Keep every resource (and so its memory) alive until our stream is done.
+    let mut held = Vec::new();
+    let mut ptr = |h: &Handle, need: usize, what: &str| -> Result<u64, KernelError> {
+        let r = client
+            .get_resource(h.clone())
+            .map_err(|e| err(format!("{what}: {e:?}")))?;
+        let res = r.resource();
+        if (res.size as usize) < need {
+            return Err(err(format!(
+                "{what} holds {} bytes, the product needs {need}",
+                res.size
+            )));
+        }
+        let p = res.ptr;
+        held.push(r);
+        Ok(p)
+    };
+    let mut launches = Vec::with_capacity(gemms.len());
+    for g in gemms {
+        // extents of column-major operands: op(A) is m x k, op(B) k x n, C m x n
+        let (a_cols, b_cols) = (
+            if g.trans_a { g.m } else { g.k },
+            if g.trans_b { g.k } else { g.n },
+        );
+        let ab = elem_bytes(g.ab_type);
+        let a = ptr(
+            g.a,
+            (g.lda * (a_cols - 1) + if g.trans_a { g.k } else { g.m }) * ab,
+            "A",
+        )?;
+        let b = ptr(
+            g.b,
+            (g.ldb * (b_cols - 1) + if g.trans_b { g.n } else { g.k }) * ab,
+            "B",
+        )?;
+        let c = ptr(g.c, (g.ldc * (g.n - 1) + g.m) * elem_bytes(g.c_type), "C")?;
+        launches.push((a, b, c));
+    }
+    let Some(&(first, _, _)) = launches.first() else {
+        return Ok(());
+    };
+    let mut ordinal: i32 = 0;
+    // SAFETY: `first` is a live device allocation of cubecl's (held above); the attribute is an int.
+    unsafe {
+        cudarc::driver::sys::cuPointerGetAttribute(
+            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+            cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            first,
+        )
+        .result()
+        .map_err(|e| err(format!("device of a buffer: {e:?}")))?;
+    }
+    let dev = device_blas(ordinal as usize)?;
+    dev.ctx
+        .bind_to_thread()
+        .map_err(|e| err(format!("CUDA context: {e:?}")))?;
+    let op = |t: bool| {
+        if t {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    for (g, &(a, b, c)) in gemms.iter().zip(&launches) {
+        let dims = [g.m, g.n, g.k, g.lda, g.ldb, g.ldc];
+        if dims.iter().any(|&d| d == 0 || d > i32::MAX as usize) {
+            return Err(err(format!("cuBLAS dimensions out of range: {dims:?}")));
+        }
+        // SAFETY: the pointers are live cubecl allocations of the checked sizes; alpha and beta
+        // are host f32 (the handle's default pointer mode) matching CUBLAS_COMPUTE_32F.
+        unsafe {
+            blas::gemm_ex(
+                *dev.blas.handle(),
+                op(g.trans_a),
+                op(g.trans_b),
+                g.m as i32,
+                g.n as i32,
+                g.k as i32,
+                &g.alpha as *const f32 as *const _,
+                a as *const _,
+                g.ab_type,
+                g.lda as i32,
+                b as *const _,
+                g.ab_type,
+                g.ldb as i32,
+                &g.beta as *const f32 as *const _,
+                c as *mut _,
+                g.c_type,
+                g.ldc as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .map_err(|e| err(format!("cublasGemmEx {}x{}x{}: {e:?}", g.m, g.n, g.k)))?;
+        }
+    }
+    dev.stream
+        .synchronize()
+        .map_err(|e| err(format!("cuBLAS stream: {e:?}")))?;
+    drop(held);
+    Ok(())
+}

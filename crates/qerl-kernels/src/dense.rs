@@ -1,0 +1,267 @@
+//! Dense operands for a vendor GEMM: the 4-bit weight decoded into a reused `F` buffer with a
+//! row stride of our choosing, and the extra columns that fold bias and LoRA into one product.
+//!
+//! With `K' = K + r (+ 1)` rounded up to [`LD_ALIGN`]:
+//!
+//! ```text
+//! Xw[M, K'] = [ X | s·T | 1 | 0.. ]       Ww[N, K'] = [ deq(W) | B | bias | 0.. ]
+//! Xw · Wwᵀ  =  X·deq(W)ᵀ + s·T·Bᵀ + bias
+//! ```
+//!
+//! so the whole forward of a LoRA linear is one GEMM over `K + r + 1` instead of a GEMM and an
+//! epilogue pass over `Y` (which would read and write `M·N` elements again: ~13% of a 7B
+//! gate_up product at M = 4096). The padding columns are written as zeros on both sides, so
+//! nothing left in a reused buffer can reach the product. `s·T` is rounded to `F` here (the
+//! fused kernels keep `T` in f32), a relative 2⁻⁹ on a term that is itself small next to `Y`.
+//!
+//! Both kernels write whole vectors of `V` elements (8 on CUDA: 16-byte stores; 4 on wgpu).
+
+use crate::device::{block_scale, grid_1d, linear_cube, shape_err, DeviceWeight, KernelError};
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+/// Row strides of the widened operands are multiples of this many elements (32 bytes in bf16),
+/// which keeps every row aligned for 16-byte vector loads in the vendor GEMM.
+pub const LD_ALIGN: usize = 16;
+
+const CUBE: u32 = 256;
+
+/// The row stride of the widened operands for a product with `k` inputs, LoRA rank `rank` (0
+/// without an adapter) and an optional bias.
+pub fn widened_ld(k: usize, rank: usize, bias: bool) -> usize {
+    (k + rank + usize::from(bias)).next_multiple_of(LD_ALIGN)
+}
+
+/// Unit `u` decodes `V` consecutive elements of one row (they share a word and a scale block:
+/// `V` divides 8) and stores them as one vector at row stride `ld`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn dequant_rows_kernel<F: Float, V: Size>(
+    codes: &Array<u32>,
+    scale_bytes: &Array<u32>,
+    scale_table: &Array<f32>,
+    code_table: &Array<f32>,
+    out: &mut Array<Vector<F, V>>,
+    n: u32,
+    k: u32,
+    ld: u32,
+    #[comptime] block: usize,
+    #[comptime] byte_scales: bool,
+) {
+    let vs = out.vector_size();
+    let u = linear_cube() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let k_vecs = k as usize / vs;
+    if u < n as usize * k_vecs {
+        let row = u / k_vecs;
+        let col = (u % k_vecs) * vs;
+        let e0 = row * k as usize + col;
+        let s = block_scale(scale_bytes, scale_table, e0 / block, byte_scales);
+        let word = codes[e0 / 8];
+        let shift = (e0 % 8) * 4;
+        let mut v = Vector::<F, V>::empty();
+        #[unroll]
+        for i in 0..vs {
+            let code = (word >> (shift + 4 * i) as u32) & 0xfu32;
+            v[i] = F::cast_from(code_table[code as usize] * s);
+        }
+        out[(row * ld as usize + col) / vs] = v;
+    }
+}
+
+/// Writes columns `first..ld` of every row of `out` (row stride `ld`): columns `< k` copied from
+/// `main` (`[rows, k]`), `k + j` for `j < rank` = `scale · tail[row, j]`, `k + rank` = 1
+/// (`extra == 1`) or `extra_col[row]` (`extra == 2`), the rest 0.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn widen_kernel<F: Float, E: Float, V: Size>(
+    main: &Array<Vector<F, V>>,
+    tail: &Array<E>,
+    extra_col: &Array<F>,
+    out: &mut Array<Vector<F, V>>,
+    rows: u32,
+    k: u32,
+    ld: u32,
+    rank: u32,
+    scale: f32,
+    #[comptime] copy_main: bool,
+    #[comptime] extra: u32,
+) {
+    let vs = out.vector_size();
+    let k = k as usize;
+    let ld = ld as usize;
+    let rank = rank as usize;
+    let mut first = 0usize;
+    if !copy_main {
+        first = k / vs;
+    }
+    let per_row = ld / vs - first;
+    let u = linear_cube() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if u < rows as usize * per_row {
+        let row = u / per_row;
+        let cv = first + u % per_row;
+        if cv < k / vs {
+            out[row * (ld / vs) + cv] = main[row * (k / vs) + cv];
+        } else {
+            let mut v = Vector::<F, V>::empty();
+            #[unroll]
+            for i in 0..vs {
+                let j = cv * vs + i - k;
+                let mut e = 0.0f32;
+                if j < rank {
+                    e = f32::cast_from(tail[row * rank + j]) * scale;
+                } else if j == rank {
+                    if extra == 1 {
+                        e = 1.0f32;
+                    } else if extra == 2 {
+                        e = f32::cast_from(extra_col[row]);
+                    }
+                }
+                v[i] = F::cast_from(e);
+            }
+            out[row * (ld / vs) + cv] = v;
+        }
+    }
+}
+
+/// The vector width for `F` on this client: 16-byte stores where the runtime allows them.
+fn width<R: Runtime, F: Float>(client: &ComputeClient<R>) -> usize {
+    let bytes = std::mem::size_of::<F>();
+    let max = client.properties().hardware.max_vector_size.max(1);
+    (16 / bytes).min(max).clamp(1, 8)
+}
+
+fn check(kernel: &'static str, what: &str, h: &Handle, bytes: usize) -> Result<(), KernelError> {
+    if (h.size() as usize) < bytes {
+        return Err(shape_err(
+            kernel,
+            format!("{what} holds {} bytes but needs {bytes}", h.size()),
+        ));
+    }
+    Ok(())
+}
+
+/// Writes `deq(W)` into columns `0..K` of the `[N, ld]` row-major buffer `out` (`ld >= K`, a
+/// multiple of 8). Columns past `K` are left alone: [`widen`] fills them.
+pub fn dequantize_rows<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    weight: &DeviceWeight,
+    out: &Handle,
+    ld: usize,
+) -> Result<(), KernelError> {
+    let (n, k) = (weight.n, weight.k);
+    if ld < k || !ld.is_multiple_of(8) {
+        return Err(shape_err(
+            "dequantize_rows",
+            format!("row stride {ld} for K = {k}: needs >= K and a multiple of 8"),
+        ));
+    }
+    check(
+        "dequantize_rows",
+        "out",
+        out,
+        n * ld * std::mem::size_of::<F>(),
+    )?;
+    let vs = width::<R, F>(client);
+    let units = n * k / vs;
+    // SAFETY: the kernel reads codes[n*k/8] and the scale buffers DeviceWeight::upload made,
+    // and writes out[n*ld] (checked above); K and ld are multiples of 8, so of vs.
+    unsafe {
+        dequant_rows_kernel::launch_unchecked::<F, R>(
+            client,
+            grid_1d(units.div_ceil(CUBE as usize)),
+            CubeDim::new_1d(CUBE),
+            vs,
+            ArrayArg::from_raw_parts(weight.codes.clone(), weight.words()),
+            ArrayArg::from_raw_parts(weight.scale_bytes.clone(), weight.scale_words()),
+            ArrayArg::from_raw_parts(weight.scale_table.clone(), weight.scale_table_len()),
+            ArrayArg::from_raw_parts(weight.code_table.clone(), 16),
+            ArrayArg::from_raw_parts(out.clone(), n * ld / vs),
+            n as u32,
+            k as u32,
+            ld as u32,
+            weight.block(),
+            weight.byte_scales(),
+        );
+    }
+    Ok(())
+}
+
+/// The extra column after the rank columns of a widened operand.
+#[derive(Clone, Copy, Debug)]
+pub enum ExtraColumn<'a> {
+    None,
+    /// All ones (the activation side of a bias).
+    Ones,
+    /// One value per row (the weight side: the bias itself), `rows` elements of `F`.
+    PerRow(&'a Handle),
+}
+
+/// Fills `out[rows, ld]` past column `K` (and, with `main`, columns `0..K` from `main[rows, K]`):
+/// `scale · tail[rows, rank]` (elements of `E`), then the [`ExtraColumn`], then zeros.
+#[allow(clippy::too_many_arguments)]
+pub fn widen<R: Runtime, F: Float, E: Float>(
+    client: &ComputeClient<R>,
+    main: Option<&Handle>,
+    tail: Option<(&Handle, usize, f32)>,
+    extra: ExtraColumn<'_>,
+    out: &Handle,
+    rows: usize,
+    k: usize,
+    ld: usize,
+) -> Result<(), KernelError> {
+    let (rank, tail_h, scale) = match tail {
+        Some((h, r, s)) => (r, Some(h), s),
+        None => (0, None, 0.0),
+    };
+    let need = k + rank + usize::from(!matches!(extra, ExtraColumn::None));
+    if ld < need || !k.is_multiple_of(8) || !ld.is_multiple_of(8) {
+        return Err(shape_err(
+            "widen",
+            format!("row stride {ld} for K = {k}, rank {rank}: too narrow or not a multiple of 8"),
+        ));
+    }
+    let f = std::mem::size_of::<F>();
+    check("widen", "out", out, rows * ld * f)?;
+    if let Some(m) = main {
+        check("widen", "main", m, rows * k * f)?;
+    }
+    if let Some(t) = tail_h {
+        check("widen", "tail", t, rows * rank * std::mem::size_of::<E>())?;
+    }
+    if let ExtraColumn::PerRow(c) = extra {
+        check("widen", "extra column", c, rows * f)?;
+    }
+    let vs = width::<R, F>(client);
+    let first = if main.is_some() { 0 } else { k / vs };
+    let units = rows * (ld / vs - first);
+    // Unused inputs are bound to `out`, never read through them.
+    let main_h = main.unwrap_or(out).clone();
+    let tail_h = tail_h.unwrap_or(out).clone();
+    let (extra_h, mode) = match extra {
+        ExtraColumn::None => (out.clone(), 0u32),
+        ExtraColumn::Ones => (out.clone(), 1),
+        ExtraColumn::PerRow(c) => (c.clone(), 2),
+    };
+    let main_len = if main.is_some() { rows * k / vs } else { 1 };
+    // SAFETY: sizes checked above; every index is bounded by rows, ld, k and rank.
+    unsafe {
+        widen_kernel::launch_unchecked::<F, E, R>(
+            client,
+            grid_1d(units.div_ceil(CUBE as usize)),
+            CubeDim::new_1d(CUBE),
+            vs,
+            ArrayArg::from_raw_parts(main_h, main_len),
+            ArrayArg::from_raw_parts(tail_h, (rows * rank).max(1)),
+            ArrayArg::from_raw_parts(extra_h, rows.max(1)),
+            ArrayArg::from_raw_parts(out.clone(), rows * ld / vs),
+            rows as u32,
+            k as u32,
+            ld as u32,
+            rank as u32,
+            scale,
+            main.is_some(),
+            mode,
+        );
+    }
+    Ok(())
+}
