@@ -172,6 +172,30 @@ def main():
                 f"{old['us'] if old else float('nan'):.1f} | {old['tb_s'] if old else float('nan'):.2f} | "
                 f"{tc['us'] if tc else float('nan'):.1f} |"
             )
+    strat = [r for r in rows if r["kernel"] == "matmul@tc"]
+    if strat:
+        lines.append("")
+        lines.append("Strategies, nvfp4: the tensor-core kernel alone (tc), dequantize + cuBLAS alone (cublas), "
+                     "the autotuner's pick (tuned); vs cuBLAS = cuBLAS bf16 time / tuned time (target >= 0.80 at "
+                     "M >= 1024); LoRA = rank-16 LoRA product (lora_down + product) over the plain one, both tuned "
+                     "(target <= 10% at M >= 256):")
+        lines.append("")
+        lines.append("| model | layer | M | cuBLAS bf16 us | matmul tc us | cublas us | tuned us | vs cuBLAS | "
+                     "dX tc us | cublas us | tuned us | vs cuBLAS | LoRA tc us | cublas us | tuned us | LoRA overhead |")
+        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in strat:
+            key = lambda kern: qerl.get((r["model"], r["layer"], kern, "nvfp4", r["m"]))
+            f = lambda x: f"{x['us']:.1f}" if x else "-"
+            cb = cub.get((r["model"], r["layer"], r["m"]))
+            vs = lambda x: f"{cb / x['us']:.2f}" if x and cb else "-"
+            mt, dt, lt = key("matmul"), key("dx"), key("lora16")
+            over = f"{100 * (lt['us'] / mt['us'] - 1):.1f}%" if lt and mt else "-"
+            lines.append(
+                f"| {r['model']} | {r['layer']} | {r['m']} | {cb:.1f} | {f(r)} | {f(key('matmul@cublas'))} | {f(mt)} | {vs(mt)} | "
+                f"{f(key('dx@tc'))} | {f(key('dx@cublas'))} | {f(dt)} | {vs(dt)} | "
+                f"{f(key('lora16@tc'))} | {f(key('lora16@cublas'))} | {f(lt)} | {over} |"
+                if cb else f"| {r['model']} | {r['layer']} | {r['m']} | - | {f(r)} | - | - | - | - | - | - | - | - | - | - | - |"
+            )
     if prev:
         lines.append("")
         lines.append("This run against the previous one (`--prev`), nvfp4, M > 16:")

@@ -36,7 +36,9 @@ struct Args {
     /// tensor-core path off (the portable tiled kernel) at the M listed in `--old-m`;
     /// `nosplit` times matmul, dx and LoRA (rank 16) with split-K off at the M in `--old-m`
     /// (nvfp4); `tc` times matmul at 8 < M <= 16 on the tensor-core path instead of the decode
-    /// kernel.
+    /// kernel; `strategies` times matmul, dX and LoRA (rank 16) at M > 16 (nvfp4) with each
+    /// strategy alone (`@tc`: tensor-core kernel, tiles by cube count; `@cublas`: dequantize +
+    /// cuBLAS), beside the tuned rows `matmul`, `dx`, `lora16`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -149,7 +151,19 @@ impl Row {
     }
 }
 
-/// Median device time of one launch of `f`.
+/// The row name of a product timed with one strategy alone.
+fn strategy_row(product: &str, strategy: &str) -> &'static str {
+    match (product, strategy) {
+        ("matmul", "tc") => "matmul@tc",
+        ("matmul", _) => "matmul@cublas",
+        ("dx", "tc") => "dx@tc",
+        ("dx", _) => "dx@cublas",
+        (_, "tc") => "lora16@tc",
+        _ => "lora16@cublas",
+    }
+}
+
+/// Median device time of one launch of `f` (the first call, which may tune, is not timed).
 fn time<R: Runtime>(
     client: &ComputeClient<R>,
     iters: usize,
@@ -296,6 +310,41 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                         })?;
                         push("matmul_tc", m, s, weight_bytes + io, flops);
                         gemm::set_decode_max_m(16);
+                    }
+                    if want("strategies") && format == QuantFormat::Nvfp4 && m > 16 {
+                        let mut strategies = vec![(gemm::Strategy::TensorCores, "tc")];
+                        if gemm::cublas_usable::<R, F>(&c) {
+                            strategies.push((gemm::Strategy::Cublas, "cublas"));
+                        }
+                        let dy = random_activations(&c, m * n, &mut rng);
+                        let dx = c.empty(m * k * 2);
+                        let rank = 16;
+                        let a = random_activations(&c, rank * k, &mut rng);
+                        let b = random_activations(&c, n * rank, &mut rng);
+                        let t = c.empty(m * rank * 4);
+                        for (strategy, name) in strategies {
+                            gemm::set_strategy(strategy);
+                            let s = time(&c, iters, reps, || {
+                                gemm::matmul::<R, F>(&c, &x, m, &w, None, None, &y).unwrap()
+                            })?;
+                            push(strategy_row("matmul", name), m, s, weight_bytes + io, flops);
+                            let s = time(&c, iters, reps, || {
+                                gemm::matmul_transposed::<R, F>(&c, &dy, m, &w, &dx).unwrap()
+                            })?;
+                            push(strategy_row("dx", name), m, s, weight_bytes + io, flops);
+                            let s = time(&c, iters, reps, || {
+                                gemm::lora_down::<R, F>(&c, &x, &a, &t, m, k, rank).unwrap();
+                                let l = gemm::LoraEpilogue {
+                                    t: &t,
+                                    b: &b,
+                                    rank,
+                                    scale: 2.0,
+                                };
+                                gemm::matmul::<R, F>(&c, &x, m, &w, None, Some(l), &y).unwrap();
+                            })?;
+                            push(strategy_row("lora16", name), m, s, weight_bytes + io, flops);
+                        }
+                        gemm::set_strategy(gemm::Strategy::Tuned);
                     }
                     if want("dx") && format == QuantFormat::Nvfp4 {
                         let dy = random_activations(&c, m * n, &mut rng);

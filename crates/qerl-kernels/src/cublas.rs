@@ -21,7 +21,8 @@ use cubecl::server::Handle;
 use cudarc::cublas::{result as blas, sys, CudaBlas};
 use cudarc::driver::{CudaContext, CudaStream};
 
-use crate::device::KernelError;
+use crate::dense::{self, ExtraColumn};
+use crate::device::{DeviceWeight, KernelError};
 
 /// Set to `0` to keep every product on the cubecl kernels.
 pub const ENV_SWITCH: &str = "QERL_CUBLAS";
@@ -222,4 +223,95 @@ pub(crate) fn run<R: Runtime>(
         .map_err(|e| err(format!("cuBLAS stream: {e:?}")))?;
     drop(held);
     Ok(())
+}
+
+/// `Y[M, N] = X · deq(W)ᵀ (+ bias) (+ s·T·Bᵀ)`: `W` decoded into a reused dense buffer, bias
+/// and LoRA folded in as extra columns ([`crate::dense`]), one cuBLAS product. `lora` is
+/// `(T [M, r] f32, B [N, r] F, r, s)`; the caller has checked every buffer's size.
+pub(crate) fn forward<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    weight: &DeviceWeight,
+    bias: Option<&Handle>,
+    lora: Option<(&Handle, &Handle, usize, f32)>,
+    y: &Handle,
+) -> Result<(), KernelError> {
+    let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
+    let (n, k) = (weight.n, weight.k);
+    let widened = lora.is_some() || bias.is_some();
+    let ld = match widened {
+        true => dense::widened_ld(k, lora.map_or(0, |l| l.2), bias.is_some()),
+        false => k,
+    };
+    let size = std::mem::size_of::<F>();
+    let w = client.empty(n * ld * size);
+    dense::dequantize_rows::<R, F>(client, weight, &w, ld)?;
+    let xw;
+    let x_op = if widened {
+        let (bias_w, bias_x) = match bias {
+            Some(b) => (ExtraColumn::PerRow(b), ExtraColumn::Ones),
+            None => (ExtraColumn::None, ExtraColumn::None),
+        };
+        let tail_w = lora.map(|(_, b, r, _)| (b, r, 1.0));
+        dense::widen::<R, F, F>(client, None, tail_w, bias_w, &w, n, k, ld)?;
+        xw = client.empty(m * ld * size);
+        let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
+        dense::widen::<R, F, f32>(client, Some(x), tail_x, bias_x, &xw, m, k, ld)?;
+        &xw
+    } else {
+        x
+    };
+    // row-major Y[M, N] is column-major Yᵀ[N, M] = Wwᵀ-as-stored(op T) · Xwᵀ
+    let gemm = Gemm {
+        trans_a: true,
+        trans_b: false,
+        m: n,
+        n: m,
+        k: ld,
+        a: &w,
+        lda: ld,
+        b: x_op,
+        ldb: ld,
+        c: y,
+        ldc: n,
+        ab_type: ty,
+        c_type: ty,
+        alpha: 1.0,
+        beta: 0.0,
+    };
+    run(client, &[gemm])
+}
+
+/// `dX[M, K] = dY[M, N] · deq(W)[N, K]` through a dense `W` and cuBLAS.
+pub(crate) fn transposed<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    dy: &Handle,
+    m: usize,
+    weight: &DeviceWeight,
+    dx: &Handle,
+) -> Result<(), KernelError> {
+    let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
+    let (n, k) = (weight.n, weight.k);
+    let w = client.empty(n * k * std::mem::size_of::<F>());
+    dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
+    // column-major dXᵀ[K, M] = W-as-stored[K, N] · dYᵀ[N, M]
+    let gemm = Gemm {
+        trans_a: false,
+        trans_b: false,
+        m: k,
+        n: m,
+        k: n,
+        a: &w,
+        lda: k,
+        b: dy,
+        ldb: n,
+        c: dx,
+        ldc: k,
+        ab_type: ty,
+        c_type: ty,
+        alpha: 1.0,
+        beta: 0.0,
+    };
+    run(client, &[gemm])
 }

@@ -14,11 +14,13 @@
 
 use crate::device::{decode_word_to, grid_1d, linear_cube, shape_err, DeviceWeight, KernelError};
 use crate::gemm_tc::{TcEpilogue, TcProduct};
+use crate::tune::Product;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 pub use crate::gemv::{set_decode_max_m, DEFAULT_DECODE_MAX_M};
 pub use crate::splitk::force_splits;
+pub use crate::tune::{cublas_usable, set_strategy, Strategy, TileConfig};
 
 /// Output rows (M) per cube.
 const TILE_M: usize = 32;
@@ -394,7 +396,7 @@ pub fn lora_down<R: Runtime, F: Float>(
             bias: None,
             lora: None,
         };
-        crate::gemm_tc::launch::<R, F, f32>(client, x, m, product, none, t);
+        crate::gemm_tc::launch::<R, F, f32>(client, x, m, product, none, t, None);
         return Ok(());
     }
     let units = m * rank;
@@ -452,12 +454,16 @@ pub fn matmul<R: Runtime, F: Float>(
         return Ok(());
     }
     if tensor_cores::<R, F>(client, m, k) {
-        let epilogue = TcEpilogue {
+        return crate::tune::run::<R, F>(Product {
+            client: client.clone(),
+            x: x.clone(),
+            m,
+            weight: weight.clone(),
             bias: bias.cloned(),
             lora: lora.map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale)),
-        };
-        crate::gemm_tc::launch::<R, F, F>(client, x, m, TcProduct::Forward(weight), epilogue, y);
-        return Ok(());
+            y: y.clone(),
+            transposed: false,
+        });
     }
     let count = CubeCount::Static(n.div_ceil(TILE_N) as u32, m.div_ceil(TILE_M) as u32, 1);
     // SAFETY: buffer sizes are checked above; the kernel bounds every row/column by m and n and
@@ -506,13 +512,16 @@ pub fn matmul_transposed<R: Runtime, F: Float>(
     check_buffer("matmul_transposed", "dY", dy, bytes_of::<F>(m * n))?;
     check_buffer("matmul_transposed", "dX", dx, bytes_of::<F>(m * k))?;
     if n.is_multiple_of(32) && tensor_cores::<R, F>(client, m, k) {
-        let none = TcEpilogue {
+        return crate::tune::run::<R, F>(Product {
+            client: client.clone(),
+            x: dy.clone(),
+            m,
+            weight: weight.clone(),
             bias: None,
             lora: None,
-        };
-        let product = TcProduct::Transposed(weight);
-        crate::gemm_tc::launch::<R, F, F>(client, dy, m, product, none, dx);
-        return Ok(());
+            y: dx.clone(),
+            transposed: true,
+        });
     }
     let count = CubeCount::Static(k.div_ceil(TILE_N) as u32, m.div_ceil(TILE_M) as u32, 1);
     // SAFETY: sizes checked above; the kernel bounds rows by m, columns by k, reduction by n.

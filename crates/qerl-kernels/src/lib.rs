@@ -23,6 +23,7 @@ mod gemm_tc;
 mod gemv;
 pub mod rms_norm;
 mod splitk;
+mod tune;
 
 pub use device::{DeviceWeight, KernelError};
 

@@ -312,6 +312,37 @@ pub fn matmul_transposed<R: Runtime, F: Float + CubeElement>(device: &R::Device,
 /// select each of its tile configurations (32x128, 64x128, 128x128 per cube), with M, N and K
 /// not multiples of the tiles, through the forward product (bias, LoRA with its down-projection)
 /// and dX.
+/// The strategies a product above the decode kernel can take here, each checked alone.
+fn strategies<R: Runtime, F: Float>(c: &ComputeClient<R>) -> Vec<gemm::Strategy> {
+    let mut all = vec![gemm::Strategy::TensorCores, gemm::Strategy::Tuned];
+    all.extend(gemm::TileConfig::ALL.map(gemm::Strategy::TensorCoresTiles));
+    if gemm::cublas_usable::<R, F>(c) {
+        all.push(gemm::Strategy::Cublas);
+    } else {
+        eprintln!("note: no cuBLAS strategy for {} here", std::any::type_name::<F>());
+    }
+    all
+}
+
+/// Restores the tuned strategy when a test ends, even by a panic.
+struct StrategyGuard;
+
+impl StrategyGuard {
+    fn set(s: gemm::Strategy) -> StrategyGuard {
+        gemm::set_strategy(s);
+        StrategyGuard
+    }
+}
+
+impl Drop for StrategyGuard {
+    fn drop(&mut self) {
+        gemm::set_strategy(gemm::Strategy::Tuned);
+    }
+}
+
+/// Products the tensor cores serve (M > 8), through every strategy: each tile configuration
+/// alone, the tuner's choice, and dequantize + cuBLAS where it exists (CUDA bf16/f16), with bias,
+/// with LoRA (bias and LoRA are extra columns on the cuBLAS path), and dX.
 pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
     let c = R::client(device);
     if !supported::<R, F>(&c) {
@@ -352,29 +383,6 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
         );
         let rx = rounded::<F>(&x);
         let rbias = rounded::<F>(&bias);
-        let what = format!("{format} M={m} N={n} K={k}");
-
-        let y = poisoned::<R, F>(&c, m * n);
-        gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), None, &y).unwrap();
-        let want = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), None);
-        assert_close(
-            &format!("tc matmul {what}"),
-            &read::<R, F>(&c, &y),
-            &want,
-            tol,
-            seed,
-        );
-
-        let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
-        gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
-        let y = poisoned::<R, F>(&c, m * n);
-        let lora = gemm::LoraEpilogue {
-            t: &t,
-            b: &lbh,
-            rank,
-            scale,
-        };
-        gemm::matmul::<R, F>(&c, &xh, m, &dw, None, Some(lora), &y).unwrap();
         let (ra, rb) = (rounded::<F>(&a), rounded::<F>(&b));
         let lref = LoraRef {
             a: &ra,
@@ -382,17 +390,93 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
             rank,
             scale: scale as f64,
         };
-        let want = matmul_ref(&rx, &deq, m, n, k, None, Some(&lref));
-        assert_close(
-            &format!("tc matmul+LoRA {what}"),
-            &read::<R, F>(&c, &y),
-            &want,
-            tol,
-            seed,
-        );
+        let want_bias = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), None);
+        let want_lora = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), Some(&lref));
+        for strategy in strategies::<R, F>(&c) {
+            let _s = StrategyGuard::set(strategy);
+            let what = format!("{strategy:?} {format} M={m} N={n} K={k}");
 
-        let what = format!("tc dX {what}");
-        check_dx::<R, F>(&c, &mut rng, &dw, &deq, (m, n, k), &what, tol, seed);
+            let y = poisoned::<R, F>(&c, m * n);
+            gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), None, &y).unwrap();
+            let got = read::<R, F>(&c, &y);
+            assert_close(&format!("matmul+bias {what}"), &got, &want_bias, tol, seed);
+
+            let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
+            gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
+            let y = poisoned::<R, F>(&c, m * n);
+            let lora = gemm::LoraEpilogue {
+                t: &t,
+                b: &lbh,
+                rank,
+                scale,
+            };
+            gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), Some(lora), &y).unwrap();
+            let got = read::<R, F>(&c, &y);
+            assert_close(&format!("matmul+bias+LoRA {what}"), &got, &want_lora, tol, seed);
+
+            let what = format!("dX {what}");
+            check_dx::<R, F>(&c, &mut rng, &dw, &deq, (m, n, k), &what, tol, seed);
+        }
+    }
+}
+
+/// The dense operands of the cuBLAS strategy, on any runtime: `deq(W)` at a row stride wider
+/// than K (columns past K untouched), and the widened activation / weight rows (X copied, then
+/// `s·T` or `B`, then the bias column, then zeros), all exact against the host.
+pub fn dense_operands<R: Runtime, F: Float + CubeElement>(device: &R::Device) {
+    use qerl_kernels::dense::{self, ExtraColumn};
+    let c = R::client(device);
+    if !supported::<R, F>(&c) {
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    for format in [QuantFormat::Nvfp4, QuantFormat::Mxfp4, QuantFormat::Nf4] {
+        let (n, k, m, rank) = (48, 96, 5, 3);
+        let w = random_weight(&mut rng, format, n, k);
+        let dw = DeviceWeight::upload(&c, &w).unwrap();
+        let deq = rounded::<F>(&w.dequantize());
+        let ld = dense::widened_ld(k, rank, true);
+        assert!(ld >= k + rank + 1 && ld % dense::LD_ALIGN == 0);
+        let x = normal(&mut rng, m * k, 1.0);
+        let t = normal(&mut rng, m * rank, 1.0);
+        let b = normal(&mut rng, n * rank, 1.0);
+        let bias = normal(&mut rng, n, 1.0);
+        let scale = 0.75f32;
+
+        // weight side: deq(W) | B | bias | 0
+        let ww = poisoned::<R, F>(&c, n * ld);
+        dense::dequantize_rows::<R, F>(&c, &dw, &ww, ld).unwrap();
+        let (bh, biash) = (upload::<R, F>(&c, &b), upload::<R, F>(&c, &bias));
+        let extra = ExtraColumn::PerRow(&biash);
+        dense::widen::<R, F, F>(&c, None, Some((&bh, rank, 1.0)), extra, &ww, n, k, ld).unwrap();
+        let (rb, rbias) = (rounded::<F>(&b), rounded::<F>(&bias));
+        let mut want = vec![0.0; n * ld];
+        for r in 0..n {
+            want[r * ld..r * ld + k].copy_from_slice(&deq[r * k..(r + 1) * k]);
+            want[r * ld + k..r * ld + k + rank].copy_from_slice(&rb[r * rank..(r + 1) * rank]);
+            want[r * ld + k + rank] = rbias[r];
+        }
+        assert_eq!(read::<R, F>(&c, &ww), want, "{format} weight side, seed {seed}");
+
+        // activation side: X | s·T | 1 | 0, T in f32
+        let xw = poisoned::<R, F>(&c, m * ld);
+        let (xh, th) = (upload::<R, F>(&c, &x), c.create_from_slice(f32::as_bytes(&t)));
+        let tail = Some((&th, rank, scale));
+        dense::widen::<R, F, f32>(&c, Some(&xh), tail, ExtraColumn::Ones, &xw, m, k, ld).unwrap();
+        let st: Vec<f32> = t.iter().map(|v| v * scale).collect();
+        let (rx, rst) = (rounded::<F>(&x), rounded::<F>(&st));
+        let mut want = vec![0.0; m * ld];
+        for r in 0..m {
+            want[r * ld..r * ld + k].copy_from_slice(&rx[r * k..(r + 1) * k]);
+            want[r * ld + k..r * ld + k + rank].copy_from_slice(&rst[r * rank..(r + 1) * rank]);
+            want[r * ld + k + rank] = 1.0;
+        }
+        assert_eq!(read::<R, F>(&c, &xw), want, "{format} activation side, seed {seed}");
+
+        // a row stride that is too narrow is an error, not a launch
+        let err = dense::widen::<R, F, f32>(&c, Some(&xh), tail, ExtraColumn::Ones, &xw, m, k, k)
+            .unwrap_err();
+        assert!(err.to_string().contains("row stride"), "{err}");
     }
 }
 
@@ -775,6 +859,8 @@ macro_rules! suite {
             fn matmul_decode_split_k() { super::matmul_decode::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_tensor_cores_split_k() { super::matmul_split_k::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn dense_operands() { super::dense_operands::<R, F>(&$device) }
             $(#[$attr])? #[test]
             fn matmul_transposed_all_formats() { super::matmul_transposed::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]

@@ -29,21 +29,21 @@ impl Tiles {
 }
 
 /// 128x128 output per cube, 8 planes of 64x32.
-const BIG: Tiles = Tiles {
+pub(crate) const BIG: Tiles = Tiles {
     warps_m: 2,
     warps_n: 4,
     frags_m: 4,
     frags_n: 2,
 };
 /// 64x128, 8 planes of 32x32.
-const MID: Tiles = Tiles {
+pub(crate) const MID: Tiles = Tiles {
     warps_m: 2,
     warps_n: 4,
     frags_m: 2,
     frags_n: 2,
 };
 /// 32x128, 4 planes of 32x32 (few rows).
-const SMALL: Tiles = Tiles {
+pub(crate) const SMALL: Tiles = Tiles {
     warps_m: 1,
     warps_n: 4,
     frags_m: 2,
@@ -102,7 +102,8 @@ const MIN_SPLIT_STAGES: usize = 8;
 /// Launches the tensor-core product; the caller has checked buffers and [`applies`] (and, for
 /// `Transposed`, `N % 32 == 0`). `x` holds `M x reduction` elements of `F`, `y` receives
 /// `M x columns` elements of `O`. When the output tiles give fewer than two cubes per
-/// multiprocessor, the reduction is split (see [`crate::splitk`]).
+/// multiprocessor, the reduction is split (see [`crate::splitk`]). `tiles`: a configuration
+/// (the autotuner's), or `None` for [`pick_tiles`].
 pub(crate) fn launch<R: Runtime, F: Float, O: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -110,6 +111,7 @@ pub(crate) fn launch<R: Runtime, F: Float, O: Float>(
     product: TcProduct<'_>,
     epilogue: TcEpilogue,
     y: &Handle,
+    tiles: Option<Tiles>,
 ) {
     // (output columns, reduction length, weight K)
     let (cols, red, wk) = match &product {
@@ -117,7 +119,7 @@ pub(crate) fn launch<R: Runtime, F: Float, O: Float>(
         TcProduct::Transposed(w) => (w.k, w.n, w.k),
         TcProduct::Dense { n, k, .. } => (*n, *k, *k),
     };
-    let tiles = pick_tiles(m, cols);
+    let tiles = tiles.unwrap_or_else(|| pick_tiles(m, cols));
     let grid = (cols.div_ceil(tiles.bn()), m.div_ceil(tiles.bm()));
     let target = 2 * splitk::multiprocessors(client);
     let (splits, per) = splitk::plan(grid.0 * grid.1, red / BK, target, MIN_SPLIT_STAGES);

@@ -26,7 +26,7 @@
 mod launch;
 mod stage;
 
-pub(crate) use launch::{applies, launch, TcEpilogue, TcProduct};
+pub(crate) use launch::{applies, launch, TcEpilogue, TcProduct, Tiles, BIG, MID, SMALL};
 
 use cubecl::cmma;
 use cubecl::prelude::*;

@@ -1,0 +1,220 @@
+//! Which implementation runs a product too large for the decode kernel: CubeCL's autotuner picks,
+//! per (M bucket, N, K, product, LoRA rank, bias, element type), among the tensor-core kernel's
+//! three tile configurations and, on CUDA with libcublas for bf16/f16, dequantize + cuBLAS
+//! ([`crate::cublas`]). The first product of a key times every candidate (a few runs each) and
+//! the choice is kept in CubeCL's tuning cache on disk (`target/autotune/` under the nearest
+//! directory with a `Cargo.toml`, else `~/.cache/cubecl`), so later processes start tuned.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cubecl::tune::{local_tuner, LocalTuner, Tunable, TunableSet};
+use cubecl::AutotuneKey;
+use serde::{Deserialize, Serialize};
+
+use crate::device::{DeviceWeight, KernelError};
+use crate::gemm_tc::{self, TcEpilogue, TcProduct, Tiles};
+
+/// How a product above the decode kernel's rows runs where the tensor cores apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// The autotuner's choice (the default).
+    Tuned,
+    /// The tensor-core kernel, tiles picked by cube count (no tuning).
+    TensorCores,
+    /// The tensor-core kernel with one tile configuration.
+    TensorCoresTiles(TileConfig),
+    /// Dequantize + cuBLAS; an error where it is unavailable (not CUDA, no libcublas, f32).
+    Cublas,
+}
+
+/// Output tile per cube of the tensor-core kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum TileConfig {
+    /// 128x128, 8 planes of 64x32.
+    M128N128,
+    /// 64x128, 8 planes of 32x32.
+    M64N128,
+    /// 32x128, 4 planes of 32x32.
+    M32N128,
+}
+
+impl TileConfig {
+    pub const ALL: [TileConfig; 3] = [Self::M128N128, Self::M64N128, Self::M32N128];
+
+    fn tiles(self) -> Tiles {
+        match self {
+            Self::M128N128 => gemm_tc::BIG,
+            Self::M64N128 => gemm_tc::MID,
+            Self::M32N128 => gemm_tc::SMALL,
+        }
+    }
+
+    /// The tuner's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::M128N128 => "tc_128x128",
+            Self::M64N128 => "tc_64x128",
+            Self::M32N128 => "tc_32x128",
+        }
+    }
+}
+
+static STRATEGY: AtomicU8 = AtomicU8::new(0);
+
+/// Sets the strategy for every later product in this process (benchmarks and tests time and
+/// check each one alone).
+pub fn set_strategy(strategy: Strategy) {
+    let v = match strategy {
+        Strategy::Tuned => 0,
+        Strategy::TensorCores => 1,
+        Strategy::Cublas => 2,
+        Strategy::TensorCoresTiles(t) => 3 + t as u8,
+    };
+    STRATEGY.store(v, Ordering::Relaxed);
+}
+
+fn strategy() -> Strategy {
+    match STRATEGY.load(Ordering::Relaxed) {
+        1 => Strategy::TensorCores,
+        2 => Strategy::Cublas,
+        v @ 3..=5 => Strategy::TensorCoresTiles(TileConfig::ALL[(v - 3) as usize]),
+        _ => Strategy::Tuned,
+    }
+}
+
+/// Whether dequantize + cuBLAS can run a product of `F` on this client.
+pub fn cublas_usable<R: Runtime, F: Float>(client: &ComputeClient<R>) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cublas::available()
+            && crate::cublas::data_type::<F>().is_some()
+            && crate::cublas::cuda_client(client).is_some()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = client;
+        false
+    }
+}
+
+/// The tuning key. `m` is bucketed to powers of two; the layer's shape is exact.
+#[derive(AutotuneKey, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub(crate) struct ProductKey {
+    #[autotune(anchor)]
+    m: usize,
+    n: usize,
+    k: usize,
+    transposed: bool,
+    rank: usize,
+    bias: bool,
+    elem: String,
+}
+
+/// One product's inputs, owned so the tuner can replay it.
+#[derive(Clone)]
+pub(crate) struct Product<R: Runtime> {
+    pub client: ComputeClient<R>,
+    /// `X[M, K]` (forward) or `dY[M, N]` (transposed).
+    pub x: Handle,
+    pub m: usize,
+    pub weight: DeviceWeight,
+    pub bias: Option<Handle>,
+    /// `(T [M, r] f32, B [N, r], r, s)`.
+    pub lora: Option<(Handle, Handle, usize, f32)>,
+    /// `Y[M, N]` (forward) or `dX[M, K]` (transposed).
+    pub y: Handle,
+    pub transposed: bool,
+}
+
+fn key<R: Runtime, F: Float>(p: &Product<R>) -> ProductKey {
+    ProductKey::new(
+        p.m,
+        p.weight.n,
+        p.weight.k,
+        p.transposed,
+        p.lora.as_ref().map_or(0, |l| l.2),
+        p.bias.is_some(),
+        std::any::type_name::<F>().rsplit("::").next().unwrap_or("?").to_string(),
+    )
+}
+
+fn tensor_cores<R: Runtime, F: Float>(p: &Product<R>, tiles: Option<Tiles>) {
+    let (product, epilogue) = if p.transposed {
+        let none = TcEpilogue {
+            bias: None,
+            lora: None,
+        };
+        (TcProduct::Transposed(&p.weight), none)
+    } else {
+        let epilogue = TcEpilogue {
+            bias: p.bias.clone(),
+            lora: p.lora.clone(),
+        };
+        (TcProduct::Forward(&p.weight), epilogue)
+    };
+    gemm_tc::launch::<R, F, F>(&p.client, &p.x, p.m, product, epilogue, &p.y, tiles);
+}
+
+#[cfg(feature = "cuda")]
+fn cublas<R: Runtime, F: Float>(p: &Product<R>) -> Result<(), KernelError> {
+    if p.transposed {
+        crate::cublas::transposed::<R, F>(&p.client, &p.x, p.m, &p.weight, &p.y)
+    } else {
+        let lora = p.lora.as_ref().map(|(t, b, r, s)| (t, b, *r, *s));
+        let bias = p.bias.as_ref();
+        crate::cublas::forward::<R, F>(&p.client, &p.x, p.m, &p.weight, bias, lora, &p.y)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cublas<R: Runtime, F: Float>(_: &Product<R>) -> Result<(), KernelError> {
+    Err(KernelError::Vendor {
+        what: "this build has no CUDA (feature `cuda`)".into(),
+    })
+}
+
+/// Runs a product on which the tensor cores apply, by the current [`Strategy`].
+pub(crate) fn run<R: Runtime, F: Float>(p: Product<R>) -> Result<(), KernelError> {
+    match strategy() {
+        Strategy::TensorCores => {
+            tensor_cores::<R, F>(&p, None);
+            Ok(())
+        }
+        Strategy::TensorCoresTiles(t) => {
+            tensor_cores::<R, F>(&p, Some(t.tiles()));
+            Ok(())
+        }
+        Strategy::Cublas => cublas::<R, F>(&p),
+        Strategy::Tuned => {
+            tuned::<R, F>(p);
+            Ok(())
+        }
+    }
+}
+
+fn tuned<R: Runtime, F: Float>(p: Product<R>) {
+    static TUNER: LocalTuner<ProductKey, String> = local_tuner!("product");
+    let vendor = cublas_usable::<R, F>(&p.client);
+    let set = TUNER.init(move || {
+        let mut set = TunableSet::new(key::<R, F>, |_: &ProductKey, p: &Product<R>| p.clone());
+        for t in TileConfig::ALL {
+            set = set.with(Tunable::new(t.name(), move |p: Product<R>| {
+                tensor_cores::<R, F>(&p, Some(t.tiles()));
+                Ok::<(), String>(())
+            }));
+        }
+        if vendor {
+            set.with(Tunable::new("dequant_cublas", |p: Product<R>| {
+                cublas::<R, F>(&p).map_err(|e| e.to_string())
+            }))
+        } else {
+            set
+        }
+    });
+    let client = p.client.clone();
+    let id = R::name(&client).to_string();
+    TUNER.execute(&id, &client, set, p);
+}
