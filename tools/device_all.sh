@@ -16,6 +16,7 @@ set -uo pipefail
 export OUT=${OUT:-/tmp/out}
 mkdir -p $OUT /tmp/logs
 source tools/device_cache.sh
+source tools/device_cuda_libs.sh > /tmp/logs/cuda-libs.txt; cat /tmp/logs/cuda-libs.txt
 cache_restore
 tar -xzf .device/qerl.tar.gz -C /tmp
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; date -u +%FT%TZ; } | tee /tmp/logs/device.txt

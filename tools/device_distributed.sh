@@ -25,14 +25,9 @@ out=${OUT:-/tmp/dist}
 mkdir -p "$out"
 exec > >(tee "$out/dist.log") 2>&1
 
-# cudarc loads libnccl.so at run time; the image has NCCL as the pip package nvidia-nccl-cu13
-nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
-if [ -n "$nccl_lib" ] && [ -e "$nccl_lib/libnccl.so.2" ]; then
-  mkdir -p /tmp/nccl-lib && ln -sf "$nccl_lib/libnccl.so.2" /tmp/nccl-lib/libnccl.so
-  export LD_LIBRARY_PATH=/tmp/nccl-lib:$nccl_lib:${LD_LIBRARY_PATH:-}
-fi
+source tools/device_cuda_libs.sh # libnccl (and libcublas) for cudarc
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-echo "date: $(date -u +%F), config: $config, steps: $steps, NCCL from: ${nccl_lib:-system}"
+echo "date: $(date -u +%F), config: $config, steps: $steps, LD_LIBRARY_PATH: ${LD_LIBRARY_PATH:-}"
 
 export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 source tools/device_cache.sh # the driver's PTX cache under target/, beside cubecl's

@@ -17,6 +17,7 @@ out=${OUT:-/tmp}
 dir=.device-k
 prev=${PREV:-docs/benchmarks/qerl-2026-11-22-h100-tc.json}
 if [ -f $dir/bins.tgz ]; then tar xzf $dir/bins.tgz -C $dir; fi
+source tools/device_cuda_libs.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 echo "date: $(date -u +%F)"
 echo "== kernel suite: $dir/kernels --ignored --test-threads=1 ${TESTS:-cuda}"
