@@ -137,7 +137,11 @@ fn key<R: Runtime, F: Float>(p: &Product<R>) -> ProductKey {
         p.transposed,
         p.lora.as_ref().map_or(0, |l| l.2),
         p.bias.is_some(),
-        std::any::type_name::<F>().rsplit("::").next().unwrap_or("?").to_string(),
+        std::any::type_name::<F>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("?")
+            .to_string(),
     )
 }
 

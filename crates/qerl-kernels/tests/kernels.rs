@@ -319,7 +319,10 @@ fn strategies<R: Runtime, F: Float>(c: &ComputeClient<R>) -> Vec<gemm::Strategy>
     if gemm::cublas_usable::<R, F>(c) {
         all.push(gemm::Strategy::Cublas);
     } else {
-        eprintln!("note: no cuBLAS strategy for {} here", std::any::type_name::<F>());
+        eprintln!(
+            "note: no cuBLAS strategy for {} here",
+            std::any::type_name::<F>()
+        );
     }
     all
 }
@@ -412,7 +415,13 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
             };
             gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), Some(lora), &y).unwrap();
             let got = read::<R, F>(&c, &y);
-            assert_close(&format!("matmul+bias+LoRA {what}"), &got, &want_lora, tol, seed);
+            assert_close(
+                &format!("matmul+bias+LoRA {what}"),
+                &got,
+                &want_lora,
+                tol,
+                seed,
+            );
 
             let what = format!("dX {what}");
             check_dx::<R, F>(&c, &mut rng, &dw, &deq, (m, n, k), &what, tol, seed);
@@ -456,11 +465,18 @@ pub fn dense_operands<R: Runtime, F: Float + CubeElement>(device: &R::Device) {
             want[r * ld + k..r * ld + k + rank].copy_from_slice(&rb[r * rank..(r + 1) * rank]);
             want[r * ld + k + rank] = rbias[r];
         }
-        assert_eq!(read::<R, F>(&c, &ww), want, "{format} weight side, seed {seed}");
+        assert_eq!(
+            read::<R, F>(&c, &ww),
+            want,
+            "{format} weight side, seed {seed}"
+        );
 
         // activation side: X | s·T | 1 | 0, T in f32
         let xw = poisoned::<R, F>(&c, m * ld);
-        let (xh, th) = (upload::<R, F>(&c, &x), c.create_from_slice(f32::as_bytes(&t)));
+        let (xh, th) = (
+            upload::<R, F>(&c, &x),
+            c.create_from_slice(f32::as_bytes(&t)),
+        );
         let tail = Some((&th, rank, scale));
         dense::widen::<R, F, f32>(&c, Some(&xh), tail, ExtraColumn::Ones, &xw, m, k, ld).unwrap();
         let st: Vec<f32> = t.iter().map(|v| v * scale).collect();
@@ -471,7 +487,11 @@ pub fn dense_operands<R: Runtime, F: Float + CubeElement>(device: &R::Device) {
             want[r * ld + k..r * ld + k + rank].copy_from_slice(&rst[r * rank..(r + 1) * rank]);
             want[r * ld + k + rank] = 1.0;
         }
-        assert_eq!(read::<R, F>(&c, &xw), want, "{format} activation side, seed {seed}");
+        assert_eq!(
+            read::<R, F>(&c, &xw),
+            want,
+            "{format} activation side, seed {seed}"
+        );
 
         // a row stride that is too narrow is an error, not a launch
         let err = dense::widen::<R, F, f32>(&c, Some(&xh), tail, ExtraColumn::Ones, &xw, m, k, k)
@@ -745,7 +765,17 @@ pub fn rms_norm_fwd_bwd<R: Runtime, F: Float + CubeElement>(device: &R::Device, 
     }
     let (mut rng, seed) = fresh_rng();
     let eps = 1e-6f32;
-    for (rows, dim) in [(1, 48), (3, 80), (17, 208), (64, 896), (5, 1040)] {
+    // dims of every vector width (8, 4, 2), and rows over several 64-row slices of dw
+    for (rows, dim) in [
+        (1, 48),
+        (3, 80),
+        (17, 208),
+        (64, 896),
+        (5, 1040),
+        (150, 96),
+        (7, 36),
+        (2, 18),
+    ] {
         for with_noise in [false, true] {
             let x = normal(&mut rng, rows * dim, 1.0);
             let w: Vec<f32> = normal(&mut rng, dim, 0.2).iter().map(|v| 1.0 + v).collect();
