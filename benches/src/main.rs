@@ -38,13 +38,18 @@ struct Args {
     /// (nvfp4); `tc` times matmul at 8 < M <= 16 on the tensor-core path instead of the decode
     /// kernel; `strategies` times matmul, dX and LoRA (rank 16) at M > 16 (nvfp4) with each
     /// strategy alone (`@tc`: tensor-core kernel, tiles by cube count; `@cublas`: dequantize +
-    /// cuBLAS), beside the tuned rows `matmul`, `dx`, `lora16`.
+    /// cuBLAS), beside the rows `matmul`, `dx`, `lora16` of `--strategy`.
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "matmul,dx,lora,dequant,rmsnorm"
     )]
     kernels: Vec<String>,
+    /// The strategy of the plain rows above the decode kernel: tuned (CubeCL's autotuner over
+    /// the tensor-core tiles and, where libcublas loads, dequantize + cuBLAS; the tuning cache
+    /// is written under target/autotune), tc (tensor-core kernel, tiles by cube count), cublas.
+    #[arg(long, default_value = "tuned", value_parser = ["tuned", "tc", "cublas"])]
+    strategy: String,
     /// Rows at which `old` times the tiled kernel.
     #[arg(long, value_delimiter = ',', default_value = "16,256,1024")]
     old_m: Vec<usize>,
@@ -205,6 +210,11 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     let (iters, reps) = (args.iters, args.repeats);
     let want = |k: &str| args.kernels.iter().any(|x| x == k);
+    gemm::set_strategy(match args.strategy.as_str() {
+        "tc" => gemm::Strategy::TensorCores,
+        "cublas" => gemm::Strategy::Cublas,
+        _ => gemm::Strategy::Tuned,
+    });
     println!(
         "{:<12} {:<8} {:<8} {:<6} {:>5} {:>6} {:>6} {:>10} {:>7} {:>8}",
         "model", "layer", "kernel", "format", "M", "N", "K", "us", "TB/s", "TFLOP/s"
@@ -312,6 +322,7 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                         gemm::set_decode_max_m(16);
                     }
                     if want("strategies") && format == QuantFormat::Nvfp4 && m > 16 {
+                        let tuned_or_default = gemm::strategy()?;
                         let mut strategies = vec![(gemm::Strategy::TensorCores, "tc")];
                         if gemm::cublas_usable::<R, F>(&c) {
                             strategies.push((gemm::Strategy::Cublas, "cublas"));
@@ -344,7 +355,7 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                             })?;
                             push(strategy_row("lora16", name), m, s, weight_bytes + io, flops);
                         }
-                        gemm::set_strategy(gemm::Strategy::Tuned);
+                        gemm::set_strategy(tuned_or_default);
                     }
                     if want("dx") && format == QuantFormat::Nvfp4 {
                         let dy = random_activations(&c, m * n, &mut rng);

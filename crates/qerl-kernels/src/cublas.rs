@@ -24,23 +24,17 @@ use cudarc::driver::{CudaContext, CudaStream};
 use crate::dense::{self, ExtraColumn};
 use crate::device::{DeviceWeight, KernelError};
 
-/// Set to `0` to keep every product on the cubecl kernels.
-pub const ENV_SWITCH: &str = "QERL_CUBLAS";
-
 fn err(what: impl std::fmt::Display) -> KernelError {
     KernelError::Vendor {
         what: what.to_string(),
     }
 }
 
-/// Whether libcublas can be loaded here (and `QERL_CUBLAS` is not `0`).
+/// Whether libcublas can be loaded here.
 pub fn available() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| {
-        std::env::var(ENV_SWITCH).map_or(true, |v| v != "0")
-            // SAFETY: only tries to dlopen the library names cudarc knows.
-            && unsafe { sys::is_culib_present() }
-    })
+    // SAFETY: only tries to dlopen the library names cudarc knows.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
 /// The cuBLAS element type of `F`: bf16 and f16 (f32 stays on the cubecl kernels: cuBLAS would

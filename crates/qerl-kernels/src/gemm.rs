@@ -20,7 +20,7 @@ use cubecl::server::Handle;
 
 pub use crate::gemv::{set_decode_max_m, DEFAULT_DECODE_MAX_M};
 pub use crate::splitk::force_splits;
-pub use crate::tune::{cublas_usable, set_strategy, Strategy, TileConfig};
+pub use crate::tune::{cublas_usable, set_strategy, strategy, Strategy, TileConfig, STRATEGY_ENV};
 
 /// Output rows (M) per cube.
 const TILE_M: usize = 32;

@@ -1,4 +1,5 @@
-//! Which implementation runs a product too large for the decode kernel: CubeCL's autotuner picks,
+//! Which implementation runs a product too large for the decode kernel. With
+//! [`Strategy::Tuned`] CubeCL's autotuner picks,
 //! per (M bucket, N, K, product, LoRA rank, bias, element type), among the tensor-core kernel's
 //! three tile configurations and, on CUDA with libcublas for bf16/f16, dequantize + cuBLAS
 //! ([`crate::cublas`]). The first product of a key times every candidate (a few runs each) and
@@ -19,9 +20,9 @@ use crate::gemm_tc::{self, TcEpilogue, TcProduct, Tiles};
 /// How a product above the decode kernel's rows runs where the tensor cores apply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Strategy {
-    /// The autotuner's choice (the default).
+    /// The autotuner's choice.
     Tuned,
-    /// The tensor-core kernel, tiles picked by cube count (no tuning).
+    /// The tensor-core kernel, tiles picked by cube count (no tuning; the default).
     TensorCores,
     /// The tensor-core kernel with one tile configuration.
     TensorCoresTiles(TileConfig),
@@ -62,10 +63,15 @@ impl TileConfig {
     }
 }
 
-static STRATEGY: AtomicU8 = AtomicU8::new(0);
+/// The environment variable that picks the strategy of a process: `tc` (the default),
+/// `tuned` or `cublas`.
+pub const STRATEGY_ENV: &str = "QERL_GEMM";
+
+const UNSET: u8 = u8::MAX;
+static STRATEGY: AtomicU8 = AtomicU8::new(UNSET);
 
 /// Sets the strategy for every later product in this process (benchmarks and tests time and
-/// check each one alone).
+/// check each one alone), overriding [`STRATEGY_ENV`].
 pub fn set_strategy(strategy: Strategy) {
     let v = match strategy {
         Strategy::Tuned => 0,
@@ -76,12 +82,33 @@ pub fn set_strategy(strategy: Strategy) {
     STRATEGY.store(v, Ordering::Relaxed);
 }
 
-fn strategy() -> Strategy {
-    match STRATEGY.load(Ordering::Relaxed) {
+/// The strategy in force: the last [`set_strategy`], else [`STRATEGY_ENV`], else
+/// [`Strategy::TensorCores`], the one measured and checked on an H100 so far (the tuner and
+/// the cuBLAS path are opt-in until they have been: docs/benchmarks/kernels.md).
+pub fn strategy() -> Result<Strategy, KernelError> {
+    Ok(match STRATEGY.load(Ordering::Relaxed) {
+        0 => Strategy::Tuned,
         1 => Strategy::TensorCores,
         2 => Strategy::Cublas,
         v @ 3..=5 => Strategy::TensorCoresTiles(TileConfig::ALL[(v - 3) as usize]),
-        _ => Strategy::Tuned,
+        _ => {
+            let s = parse_strategy(std::env::var(STRATEGY_ENV).as_deref().unwrap_or(""))?;
+            set_strategy(s);
+            s
+        }
+    })
+}
+
+/// The value of [`STRATEGY_ENV`] (empty: the default).
+fn parse_strategy(value: &str) -> Result<Strategy, KernelError> {
+    match value {
+        "" | "tc" => Ok(Strategy::TensorCores),
+        "tuned" => Ok(Strategy::Tuned),
+        "cublas" => Ok(Strategy::Cublas),
+        other => Err(KernelError::Shape {
+            kernel: "matmul",
+            what: format!("{STRATEGY_ENV}={other}: expected tc, tuned or cublas"),
+        }),
     }
 }
 
@@ -174,6 +201,7 @@ fn cublas<R: Runtime, F: Float>(p: &Product<R>) -> Result<(), KernelError> {
 }
 
 #[cfg(not(feature = "cuda"))]
+#[allow(clippy::extra_unused_type_parameters)] // the same signature as the CUDA build's
 fn cublas<R: Runtime, F: Float>(_: &Product<R>) -> Result<(), KernelError> {
     Err(KernelError::Vendor {
         what: "this build has no CUDA (feature `cuda`)".into(),
@@ -182,7 +210,7 @@ fn cublas<R: Runtime, F: Float>(_: &Product<R>) -> Result<(), KernelError> {
 
 /// Runs a product on which the tensor cores apply, by the current [`Strategy`].
 pub(crate) fn run<R: Runtime, F: Float>(p: Product<R>) -> Result<(), KernelError> {
-    match strategy() {
+    match strategy()? {
         Strategy::TensorCores => {
             tensor_cores::<R, F>(&p, None);
             Ok(())
@@ -221,4 +249,34 @@ fn tuned<R: Runtime, F: Float>(p: Product<R>) {
     let client = p.client.clone();
     let id = R::name(&client).to_string();
     TUNER.execute(&id, &client, set, p);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategy_env_values() {
+        assert_eq!(parse_strategy("").unwrap(), Strategy::TensorCores);
+        assert_eq!(parse_strategy("tc").unwrap(), Strategy::TensorCores);
+        assert_eq!(parse_strategy("tuned").unwrap(), Strategy::Tuned);
+        assert_eq!(parse_strategy("cublas").unwrap(), Strategy::Cublas);
+        let err = parse_strategy("cuBLAS").unwrap_err().to_string();
+        assert!(
+            err.contains("QERL_GEMM=cuBLAS") && err.contains("tuned"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn every_strategy_round_trips_through_the_switch() {
+        let all = [Strategy::Tuned, Strategy::TensorCores, Strategy::Cublas]
+            .into_iter()
+            .chain(TileConfig::ALL.map(Strategy::TensorCoresTiles));
+        for s in all {
+            set_strategy(s);
+            assert_eq!(strategy().unwrap(), s);
+        }
+        set_strategy(Strategy::TensorCores);
+    }
 }

@@ -327,19 +327,20 @@ fn strategies<R: Runtime, F: Float>(c: &ComputeClient<R>) -> Vec<gemm::Strategy>
     all
 }
 
-/// Restores the tuned strategy when a test ends, even by a panic.
-struct StrategyGuard;
+/// Restores the strategy in force before when a test ends, even by a panic.
+struct StrategyGuard(gemm::Strategy);
 
 impl StrategyGuard {
     fn set(s: gemm::Strategy) -> StrategyGuard {
+        let before = gemm::strategy().expect("QERL_GEMM");
         gemm::set_strategy(s);
-        StrategyGuard
+        StrategyGuard(before)
     }
 }
 
 impl Drop for StrategyGuard {
     fn drop(&mut self) {
-        gemm::set_strategy(gemm::Strategy::Tuned);
+        gemm::set_strategy(self.0);
     }
 }
 
@@ -445,7 +446,7 @@ pub fn dense_operands<R: Runtime, F: Float + CubeElement>(device: &R::Device) {
         let dw = DeviceWeight::upload(&c, &w).unwrap();
         let deq = rounded::<F>(&w.dequantize());
         let ld = dense::widened_ld(k, rank, true);
-        assert!(ld >= k + rank + 1 && ld % dense::LD_ALIGN == 0);
+        assert!(ld > k + rank && ld.is_multiple_of(dense::LD_ALIGN));
         let x = normal(&mut rng, m * k, 1.0);
         let t = normal(&mut rng, m * rank, 1.0);
         let b = normal(&mut rng, n * rank, 1.0);
