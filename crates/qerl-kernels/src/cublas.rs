@@ -21,7 +21,7 @@ use cubecl::server::Handle;
 use cudarc::cublas::{result as blas, sys, CudaBlas};
 use cudarc::driver::{CudaContext, CudaStream};
 
-use crate::dense::{self, ExtraColumn};
+use crate::dense::{self, BlasShape, ExtraColumn};
 use crate::device::{DeviceWeight, KernelError};
 
 fn err(what: impl std::fmt::Display) -> KernelError {
@@ -57,20 +57,12 @@ pub(crate) fn cuda_client<R: Runtime>(
     (client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>()
 }
 
-/// One column-major product `C = alpha·op(A)·op(B) + beta·C` (cuBLAS's conventions: `m x n`
-/// output, `k` deep, leading dimensions in elements), on cubecl buffers.
+/// One product `C = alpha·op(A)·op(B) + beta·C` (see [`BlasShape`]) on cubecl buffers.
 pub(crate) struct Gemm<'a> {
-    pub trans_a: bool,
-    pub trans_b: bool,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
+    pub shape: BlasShape,
     pub a: &'a Handle,
-    pub lda: usize,
     pub b: &'a Handle,
-    pub ldb: usize,
     pub c: &'a Handle,
-    pub ldc: usize,
     pub ab_type: sys::cudaDataType,
     pub c_type: sys::cudaDataType,
     pub alpha: f32,
@@ -136,23 +128,11 @@ pub(crate) fn run<R: Runtime>(
     };
     let mut launches = Vec::with_capacity(gemms.len());
     for g in gemms {
-        // extents of column-major operands: op(A) is m x k, op(B) k x n, C m x n
-        let (a_cols, b_cols) = (
-            if g.trans_a { g.m } else { g.k },
-            if g.trans_b { g.k } else { g.n },
-        );
+        let (ea, eb, ec) = g.shape.extents();
         let ab = elem_bytes(g.ab_type);
-        let a = ptr(
-            g.a,
-            (g.lda * (a_cols - 1) + if g.trans_a { g.k } else { g.m }) * ab,
-            "A",
-        )?;
-        let b = ptr(
-            g.b,
-            (g.ldb * (b_cols - 1) + if g.trans_b { g.n } else { g.k }) * ab,
-            "B",
-        )?;
-        let c = ptr(g.c, (g.ldc * (g.n - 1) + g.m) * elem_bytes(g.c_type), "C")?;
+        let a = ptr(g.a, ea * ab, "A")?;
+        let b = ptr(g.b, eb * ab, "B")?;
+        let c = ptr(g.c, ec * elem_bytes(g.c_type), "C")?;
         launches.push((a, b, c));
     }
     let Some(&(first, _, _)) = launches.first() else {
@@ -181,7 +161,8 @@ pub(crate) fn run<R: Runtime>(
         }
     };
     for (g, &(a, b, c)) in gemms.iter().zip(&launches) {
-        let dims = [g.m, g.n, g.k, g.lda, g.ldb, g.ldc];
+        let s = g.shape;
+        let dims = [s.m, s.n, s.k, s.lda, s.ldb, s.ldc];
         if dims.iter().any(|&d| d == 0 || d > i32::MAX as usize) {
             return Err(err(format!("cuBLAS dimensions out of range: {dims:?}")));
         }
@@ -190,26 +171,26 @@ pub(crate) fn run<R: Runtime>(
         unsafe {
             blas::gemm_ex(
                 *dev.blas.handle(),
-                op(g.trans_a),
-                op(g.trans_b),
-                g.m as i32,
-                g.n as i32,
-                g.k as i32,
+                op(s.trans_a),
+                op(s.trans_b),
+                s.m as i32,
+                s.n as i32,
+                s.k as i32,
                 &g.alpha as *const f32 as *const _,
                 a as *const _,
                 g.ab_type,
-                g.lda as i32,
+                s.lda as i32,
                 b as *const _,
                 g.ab_type,
-                g.ldb as i32,
+                s.ldb as i32,
                 &g.beta as *const f32 as *const _,
                 c as *mut _,
                 g.c_type,
-                g.ldc as i32,
+                s.ldc as i32,
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-            .map_err(|e| err(format!("cublasGemmEx {}x{}x{}: {e:?}", g.m, g.n, g.k)))?;
+            .map_err(|e| err(format!("cublasGemmEx {}x{}x{}: {e:?}", s.m, s.n, s.k)))?;
         }
     }
     dev.stream
@@ -256,19 +237,11 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     } else {
         x
     };
-    // row-major Y[M, N] is column-major Yᵀ[N, M] = Wwᵀ-as-stored(op T) · Xwᵀ
     let gemm = Gemm {
-        trans_a: true,
-        trans_b: false,
-        m: n,
-        n: m,
-        k: ld,
+        shape: BlasShape::forward(m, n, ld),
         a: &w,
-        lda: ld,
         b: x_op,
-        ldb: ld,
         c: y,
-        ldc: n,
         ab_type: ty,
         c_type: ty,
         alpha: 1.0,
@@ -289,19 +262,11 @@ pub(crate) fn transposed<R: Runtime, F: Float>(
     let (n, k) = (weight.n, weight.k);
     let w = client.empty(n * k * std::mem::size_of::<F>());
     dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
-    // column-major dXᵀ[K, M] = W-as-stored[K, N] · dYᵀ[N, M]
     let gemm = Gemm {
-        trans_a: false,
-        trans_b: false,
-        m: k,
-        n: m,
-        k: n,
+        shape: BlasShape::transposed(m, n, k),
         a: &w,
-        lda: k,
         b: dy,
-        ldb: n,
         c: dx,
-        ldc: k,
         ab_type: ty,
         c_type: ty,
         alpha: 1.0,

@@ -26,6 +26,72 @@ pub const LD_ALIGN: usize = 16;
 
 const CUBE: u32 = 256;
 
+/// A product in BLAS's column-major terms, `C[m, n] = op(A)[m, k] · op(B)[k, n]` (leading
+/// dimensions in elements), for the row-major buffers of the cuBLAS strategy. Built here, not
+/// next to the cuBLAS call, so its mapping is tested on every build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlasShape {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+}
+
+impl BlasShape {
+    /// `Y[rows, n] = Xw[rows, ld] · Ww[n, ld]ᵀ` (row-major), with `A = Ww`, `B = Xw`, `C = Y`:
+    /// row-major `Y` is column-major `Yᵀ[n, rows] = Ww-as-stored(transposed) · Xw-as-stored`.
+    pub fn forward(rows: usize, n: usize, ld: usize) -> Self {
+        BlasShape {
+            trans_a: true,
+            trans_b: false,
+            m: n,
+            n: rows,
+            k: ld,
+            lda: ld,
+            ldb: ld,
+            ldc: n,
+        }
+    }
+
+    /// `dX[rows, k] = dY[rows, n] · W[n, k]` (row-major), with `A = W`, `B = dY`, `C = dX`:
+    /// column-major `dXᵀ[k, rows] = W-as-stored[k, n] · dY-as-stored[n, rows]`.
+    pub fn transposed(rows: usize, n: usize, k: usize) -> Self {
+        BlasShape {
+            trans_a: false,
+            trans_b: false,
+            m: k,
+            n: rows,
+            k: n,
+            lda: k,
+            ldb: n,
+            ldc: k,
+        }
+    }
+
+    /// Elements of A, B and C the product touches (the last column's offset plus its rows).
+    pub fn extents(&self) -> (usize, usize, usize) {
+        let (a_rows, a_cols) = if self.trans_a {
+            (self.k, self.m)
+        } else {
+            (self.m, self.k)
+        };
+        let (b_rows, b_cols) = if self.trans_b {
+            (self.n, self.k)
+        } else {
+            (self.k, self.n)
+        };
+        (
+            self.lda * (a_cols - 1) + a_rows,
+            self.ldb * (b_cols - 1) + b_rows,
+            self.ldc * (self.n - 1) + self.m,
+        )
+    }
+}
+
 /// The row stride of the widened operands for a product with `k` inputs, LoRA rank `rank` (0
 /// without an adapter) and an optional bias.
 pub fn widened_ld(k: usize, rank: usize, bias: bool) -> usize {
@@ -264,4 +330,70 @@ pub fn widen<R: Runtime, F: Float, E: Float>(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BlasShape;
+
+    /// BLAS's definition: column-major, `op(X)[i, j]` = `X[j, i]` when transposed.
+    fn blas(s: &BlasShape, a: &[f64], b: &[f64]) -> Vec<f64> {
+        let at = |i: usize, l: usize| {
+            if s.trans_a {
+                a[i * s.lda + l]
+            } else {
+                a[l * s.lda + i]
+            }
+        };
+        let bt = |l: usize, j: usize| {
+            if s.trans_b {
+                b[l * s.ldb + j]
+            } else {
+                b[j * s.ldb + l]
+            }
+        };
+        let mut c = vec![f64::NAN; s.extents().2];
+        for j in 0..s.n {
+            for i in 0..s.m {
+                c[j * s.ldc + i] = (0..s.k).map(|l| at(i, l) * bt(l, j)).sum();
+            }
+        }
+        c
+    }
+
+    fn values(len: usize, seed: u64) -> Vec<f64> {
+        (0..len)
+            .map(|i| (((i as u64 + 1) * 2654435761 ^ seed) % 1000) as f64 / 500.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn forward_shape_computes_x_times_w_transposed() {
+        let (rows, n, ld) = (3, 5, 16);
+        let (w, x) = (values(n * ld, 1), values(rows * ld, 2));
+        let s = BlasShape::forward(rows, n, ld);
+        assert_eq!(s.extents(), (n * ld, rows * ld, rows * n));
+        let y = blas(&s, &w, &x);
+        for r in 0..rows {
+            for c in 0..n {
+                let want: f64 = (0..ld).map(|l| x[r * ld + l] * w[c * ld + l]).sum();
+                assert!((y[r * n + c] - want).abs() < 1e-12, "Y[{r}, {c}]");
+            }
+        }
+    }
+
+    #[test]
+    fn transposed_shape_computes_dy_times_w() {
+        let (rows, n, k) = (4, 6, 3);
+        let (w, dy) = (values(n * k, 3), values(rows * n, 4));
+        let s = BlasShape::transposed(rows, n, k);
+        assert_eq!(s.extents(), (n * k, rows * n, rows * k));
+        let dx = blas(&s, &w, &dy);
+        for r in 0..rows {
+            for c in 0..k {
+                let want: f64 = (0..n).map(|j| dy[r * n + j] * w[j * k + c]).sum();
+                assert!((dx[r * k + c] - want).abs() < 1e-12, "dX[{r}, {c}]");
+            }
+        }
+    }
 }
