@@ -362,9 +362,9 @@ mod tests {
     }
 
     fn values(len: usize, seed: u64) -> Vec<f64> {
-        (0..len)
-            .map(|i| (((i as u64 + 1) * 2654435761 ^ seed) % 1000) as f64 / 500.0 - 1.0)
-            .collect()
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..len).map(|_| rng.random_range(-1.0..1.0)).collect()
     }
 
     #[test]
