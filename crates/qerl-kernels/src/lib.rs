@@ -4,7 +4,10 @@
 //! * [`gemm`]: W4A16 `Y[M,N] = X[M,K] · deq(W)[N,K]^T (+ bias) (+ s·(X·Aᵀ)·Bᵀ)`, the LoRA term
 //!   applied in the epilogue (for M <= 8, or 16 without tensor cores, on devices with warp operations, a memory-bound
 //!   decode kernel, `gemv`; split-K where the output alone would not fill the device); and the
-//!   backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`.
+//!   backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`. Above the decode kernel's rows the
+//!   [`gemm::Strategy`] decides: the tensor-core kernel (default), CubeCL's autotuner over its tile
+//!   configurations and dequantize + cuBLAS ([`dense`] operands, the CUDA-only `cublas` module),
+//!   or cuBLAS alone (`QERL_GEMM`).
 //! * [`rms_norm`]: fused noisy RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ (w + z)`, forward and backward.
 //!
 //! Every kernel accumulates in f32 whatever the activation type `F` (f32/f16 on wgpu, bf16 on
