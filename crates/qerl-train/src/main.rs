@@ -44,6 +44,11 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    // A bad QERL_GEMM fails here, with its name, not inside the first GPU product.
+    if let Err(err) = qerl_kernels::gemm::strategy() {
+        eprintln!("error: {err}");
+        std::process::exit(1);
+    }
     let result = match cli.command {
         None => cmd::demo::run(cli.demo),
         Some(Command::Quantize(args)) => cmd::quantize::run(args),

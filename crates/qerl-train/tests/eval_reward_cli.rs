@@ -111,3 +111,29 @@ fn train_then_eval_with_the_adapter_then_reward() {
         .join("optimizer.mpk")
         .is_file());
 }
+
+#[test]
+fn a_bad_gemm_strategy_is_named_before_any_work() {
+    let out = Command::new(env!("CARGO_BIN_EXE_qerl"))
+        .args([
+            "reward",
+            "--dataset",
+            "gsm8k",
+            "--completions",
+            "none.jsonl",
+        ])
+        .env("QERL_GEMM", "fastest")
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("QERL_GEMM=fastest") && err.contains("tc, tuned or cublas"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("none.jsonl"),
+        "the strategy is checked first: {err}"
+    );
+}
