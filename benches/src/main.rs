@@ -109,6 +109,25 @@ impl Row {
     }
 }
 
+/// `lora_down`, then the product with the LoRA epilogue (scale 2): a LoRA linear's forward.
+fn lora_product<R: Runtime>(
+    c: &ComputeClient<R>,
+    (x, m, k): (&Handle, usize, usize),
+    w: &DeviceWeight,
+    (a, b, t, rank): (&Handle, &Handle, &Handle, usize),
+    y: &Handle,
+) {
+    type F = half::bf16;
+    gemm::lora_down::<R, F>(c, x, a, t, m, k, rank).unwrap();
+    let l = gemm::LoraEpilogue {
+        t,
+        b,
+        rank,
+        scale: 2.0,
+    };
+    gemm::matmul::<R, F>(c, x, m, w, None, Some(l), y).unwrap();
+}
+
 /// The row name of a product timed with one strategy alone.
 fn strategy_row(product: &str, strategy: &str) -> &'static str {
     match (product, strategy) {
@@ -253,14 +272,7 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                             let b = random_activations(&c, n * rank, &mut rng);
                             let t = c.empty(m * rank * 4);
                             let s = time(&c, iters, reps, || {
-                                gemm::lora_down::<R, F>(&c, &x, &a, &t, m, k, rank).unwrap();
-                                let l = gemm::LoraEpilogue {
-                                    t: &t,
-                                    b: &b,
-                                    rank,
-                                    scale: 2.0,
-                                };
-                                gemm::matmul::<R, F>(&c, &x, m, &w, None, Some(l), &y).unwrap();
+                                lora_product(&c, (&x, m, k), &w, (&a, &b, &t, rank), &y);
                             })?;
                             push("lora16_nosplit", m, s, weight_bytes + io, flops);
                         }
@@ -297,14 +309,7 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                             })?;
                             push(strategy_row("dx", name), m, s, weight_bytes + io, flops);
                             let s = time(&c, iters, reps, || {
-                                gemm::lora_down::<R, F>(&c, &x, &a, &t, m, k, rank).unwrap();
-                                let l = gemm::LoraEpilogue {
-                                    t: &t,
-                                    b: &b,
-                                    rank,
-                                    scale: 2.0,
-                                };
-                                gemm::matmul::<R, F>(&c, &x, m, &w, None, Some(l), &y).unwrap();
+                                lora_product(&c, (&x, m, k), &w, (&a, &b, &t, rank), &y);
                             })?;
                             push(strategy_row("lora16", name), m, s, weight_bytes + io, flops);
                         }
@@ -324,14 +329,7 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                             let b = random_activations(&c, n * rank, &mut rng);
                             let t = c.empty(m * rank * 4);
                             let s = time(&c, iters, reps, || {
-                                gemm::lora_down::<R, F>(&c, &x, &a, &t, m, k, rank).unwrap();
-                                let l = gemm::LoraEpilogue {
-                                    t: &t,
-                                    b: &b,
-                                    rank,
-                                    scale: 2.0,
-                                };
-                                gemm::matmul::<R, F>(&c, &x, m, &w, None, Some(l), &y).unwrap();
+                                lora_product(&c, (&x, m, k), &w, (&a, &b, &t, rank), &y);
                             })?;
                             let kernel = match rank {
                                 16 => "lora16",

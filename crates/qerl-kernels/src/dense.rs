@@ -16,7 +16,9 @@
 //!
 //! Both kernels write whole vectors of `V` elements (8 on CUDA: 16-byte stores; 4 on wgpu).
 
-use crate::device::{block_scale, grid_1d, linear_cube, shape_err, DeviceWeight, KernelError};
+use crate::device::{
+    block_scale, check_buffer, grid_1d, linear_cube, shape_err, DeviceWeight, KernelError,
+};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
@@ -196,16 +198,6 @@ fn width<R: Runtime, F: Float>(client: &ComputeClient<R>) -> usize {
     (16 / bytes).min(max).clamp(1, 8)
 }
 
-fn check(kernel: &'static str, what: &str, h: &Handle, bytes: usize) -> Result<(), KernelError> {
-    if (h.size() as usize) < bytes {
-        return Err(shape_err(
-            kernel,
-            format!("{what} holds {} bytes but needs {bytes}", h.size()),
-        ));
-    }
-    Ok(())
-}
-
 /// Writes `deq(W)` into columns `0..K` of the `[N, ld]` row-major buffer `out` (`ld >= K`, a
 /// multiple of 8). Columns past `K` are left alone: [`widen`] fills them.
 pub fn dequantize_rows<R: Runtime, F: Float>(
@@ -221,7 +213,7 @@ pub fn dequantize_rows<R: Runtime, F: Float>(
             format!("row stride {ld} for K = {k}: needs >= K and a multiple of 8"),
         ));
     }
-    check(
+    check_buffer(
         "dequantize_rows",
         "out",
         out,
@@ -287,15 +279,15 @@ pub fn widen<R: Runtime, F: Float, E: Float>(
         ));
     }
     let f = std::mem::size_of::<F>();
-    check("widen", "out", out, rows * ld * f)?;
+    check_buffer("widen", "out", out, rows * ld * f)?;
     if let Some(m) = main {
-        check("widen", "main", m, rows * k * f)?;
+        check_buffer("widen", "main", m, rows * k * f)?;
     }
     if let Some(t) = tail_h {
-        check("widen", "tail", t, rows * rank * std::mem::size_of::<E>())?;
+        check_buffer("widen", "tail", t, rows * rank * std::mem::size_of::<E>())?;
     }
     if let ExtraColumn::PerRow(c) = extra {
-        check("widen", "extra column", c, rows * f)?;
+        check_buffer("widen", "extra column", c, rows * f)?;
     }
     let vs = width::<R, F>(client);
     let first = if main.is_some() { 0 } else { k / vs };

@@ -15,6 +15,22 @@ pub enum KernelError {
     Vendor { what: String },
 }
 
+/// Fails unless `h` holds at least `bytes` bytes.
+pub(crate) fn check_buffer(
+    kernel: &'static str,
+    what: &str,
+    h: &Handle,
+    bytes: usize,
+) -> Result<(), KernelError> {
+    if (h.size() as usize) < bytes {
+        return Err(shape_err(
+            kernel,
+            format!("{what} holds {} bytes but needs {bytes}", h.size()),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn shape_err(kernel: &'static str, what: String) -> KernelError {
     KernelError::Shape { kernel, what }
 }

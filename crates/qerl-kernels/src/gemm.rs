@@ -12,7 +12,9 @@
 //! loaded as 4-wide vectors and the weight tile decoded from u32 words (8 codes each) into shared
 //! memory. Correct and simple; the fast sm_90 kernels are a separate piece of work.
 
-use crate::device::{decode_word_to, grid_1d, linear_cube, shape_err, DeviceWeight, KernelError};
+use crate::device::{
+    check_buffer, decode_word_to, grid_1d, linear_cube, shape_err, DeviceWeight, KernelError,
+};
 use crate::gemm_tc::{TcEpilogue, TcProduct};
 use crate::tune::Product;
 use cubecl::prelude::*;
@@ -360,21 +362,6 @@ pub struct LoraEpilogue<'a> {
 
 fn bytes_of<F>(len: usize) -> usize {
     len * std::mem::size_of::<F>()
-}
-
-fn check_buffer(
-    kernel: &'static str,
-    what: &str,
-    h: &Handle,
-    bytes: usize,
-) -> Result<(), KernelError> {
-    if (h.size() as usize) < bytes {
-        return Err(shape_err(
-            kernel,
-            format!("{what} holds {} bytes but needs {bytes}", h.size()),
-        ));
-    }
-    Ok(())
 }
 
 /// `T[M, r] = X[M, K] · A[r, K]ᵀ` in f32: the small first half of the LoRA branch.

@@ -9,7 +9,7 @@
 //! writing whole vectors (8 bf16 = 16 bytes on CUDA, 4 on wgpu, narrower when `D` needs it).
 //! The weight gradient sums over rows in slices of 64 rows, then over the slices, in order.
 
-use crate::device::{grid_1d, linear_cube, shape_err, KernelError};
+use crate::device::{check_buffer, grid_1d, linear_cube, shape_err, KernelError};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
@@ -213,16 +213,6 @@ fn width<R: Runtime, F: Float>(client: &ComputeClient<R>, dim: usize) -> usize {
         .unwrap_or(1)
 }
 
-fn check(what: &str, h: &Handle, bytes: usize) -> Result<(), KernelError> {
-    if (h.size() as usize) < bytes {
-        return Err(shape_err(
-            "rms_norm",
-            format!("{what} holds {} bytes but needs {bytes}", h.size()),
-        ));
-    }
-    Ok(())
-}
-
 /// Forward: `x`, `y` `[rows, dim]`, `w` and the optional noise `z` `[dim]` of `F`; `rstd`
 /// `[rows]` f32 receives `1 / sqrt(mean(x²) + eps)` for [`backward`].
 #[allow(clippy::too_many_arguments)]
@@ -238,12 +228,12 @@ pub fn forward<R: Runtime, F: Float>(
     rstd: &Handle,
 ) -> Result<(), KernelError> {
     let e = std::mem::size_of::<F>();
-    check("x", x, rows * dim * e)?;
-    check("w", w, dim * e)?;
-    check("y", y, rows * dim * e)?;
-    check("rstd", rstd, rows * 4)?;
+    check_buffer("rms_norm", "x", x, rows * dim * e)?;
+    check_buffer("rms_norm", "w", w, dim * e)?;
+    check_buffer("rms_norm", "y", y, rows * dim * e)?;
+    check_buffer("rms_norm", "rstd", rstd, rows * 4)?;
     if let Some(z) = noise {
-        check("noise", z, dim * e)?;
+        check_buffer("rms_norm", "noise", z, dim * e)?;
     }
     if rows == 0 || dim == 0 {
         return Err(shape_err(
@@ -289,14 +279,14 @@ pub fn backward<R: Runtime, F: Float>(
     dw: &Handle,
 ) -> Result<(), KernelError> {
     let e = std::mem::size_of::<F>();
-    check("dy", dy, rows * dim * e)?;
-    check("x", x, rows * dim * e)?;
-    check("w", w, dim * e)?;
-    check("rstd", rstd, rows * 4)?;
-    check("dx", dx, rows * dim * e)?;
-    check("dw", dw, dim * e)?;
+    check_buffer("rms_norm", "dy", dy, rows * dim * e)?;
+    check_buffer("rms_norm", "x", x, rows * dim * e)?;
+    check_buffer("rms_norm", "w", w, dim * e)?;
+    check_buffer("rms_norm", "rstd", rstd, rows * 4)?;
+    check_buffer("rms_norm", "dx", dx, rows * dim * e)?;
+    check_buffer("rms_norm", "dw", dw, dim * e)?;
     if let Some(z) = noise {
-        check("noise", z, dim * e)?;
+        check_buffer("rms_norm", "noise", z, dim * e)?;
     }
     if rows == 0 || dim == 0 {
         return Err(shape_err(

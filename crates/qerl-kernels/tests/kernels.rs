@@ -234,6 +234,30 @@ pub fn matmul<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) 
     }
 }
 
+/// `T = X·Aᵀ` (into NaN-filled memory), then the product with bias and the LoRA epilogue into
+/// a poisoned output, read back.
+fn lora_forward<R: Runtime, F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    dw: &DeviceWeight,
+    xh: &Handle,
+    m: usize,
+    (ah, bh, rank, scale): (&Handle, &Handle, usize, f32),
+    bias: &Handle,
+) -> Vec<f64> {
+    let (n, k) = (dw.n, dw.k);
+    let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
+    gemm::lora_down::<R, F>(c, xh, ah, &t, m, k, rank).unwrap();
+    let y = poisoned::<R, F>(c, m * n);
+    let lora = gemm::LoraEpilogue {
+        t: &t,
+        b: bh,
+        rank,
+        scale,
+    };
+    gemm::matmul::<R, F>(c, xh, m, dw, Some(bias), Some(lora), &y).unwrap();
+    read::<R, F>(c, &y)
+}
+
 pub fn matmul_lora<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
     let c = R::client(device);
     if !supported::<R, F>(&c) {
@@ -257,16 +281,7 @@ pub fn matmul_lora<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: 
                 upload::<R, F>(&c, &b),
                 upload::<R, F>(&c, &bias),
             );
-            let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
-            gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
-            let y = poisoned::<R, F>(&c, m * n);
-            let lora = gemm::LoraEpilogue {
-                t: &t,
-                b: &bh,
-                rank,
-                scale,
-            };
-            gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&biash), Some(lora), &y).unwrap();
+            let got = lora_forward::<R, F>(&c, &dw, &xh, m, (&ah, &bh, rank, scale), &biash);
             let (ra, rb) = (rounded::<F>(&a), rounded::<F>(&b));
             let lref = LoraRef {
                 a: &ra,
@@ -284,7 +299,7 @@ pub fn matmul_lora<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: 
                 Some(&lref),
             );
             let what = format!("matmul+LoRA {format} M={m} N={n} K={k} r={rank}");
-            assert_close(&what, &read::<R, F>(&c, &y), &want, tol, seed);
+            assert_close(&what, &got, &want, tol, seed);
         }
     }
 }
@@ -405,17 +420,7 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
             let got = read::<R, F>(&c, &y);
             assert_close(&format!("matmul+bias {what}"), &got, &want_bias, tol, seed);
 
-            let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
-            gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
-            let y = poisoned::<R, F>(&c, m * n);
-            let lora = gemm::LoraEpilogue {
-                t: &t,
-                b: &lbh,
-                rank,
-                scale,
-            };
-            gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), Some(lora), &y).unwrap();
-            let got = read::<R, F>(&c, &y);
+            let got = lora_forward::<R, F>(&c, &dw, &xh, m, (&ah, &lbh, rank, scale), &bh);
             assert_close(
                 &format!("matmul+bias+LoRA {what}"),
                 &got,
