@@ -2,29 +2,30 @@
 
 use regex::Regex;
 
-use super::extract::{
-    extract_answer_tag, extract_hash_answer, gsm8k_reference_answer, last_number, numbers_equal,
-    parse_number,
-};
-use super::math::{last_boxed, math_equiv};
+use super::extract::{extract_answer_tag, gsm8k_reference_answer};
+use super::gsm8k::{flexible_number, single_number, strict_candidate, GsmNumber};
+use super::math::{extract_math_answer, last_boxed, math_equiv};
 use super::{Reward, RewardError};
 
 /// How [`Gsm8kReward`] finds the model's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Gsm8kMode {
-    /// The content of the last `<answer>…</answer>` if any, else the text after the last `####`;
-    /// a `\boxed{…}` inside is unwrapped, and a `####` inside the tag is honoured. The whole
-    /// candidate must be one number. This checks the format as well as the value.
+    /// The content of the last `<answer>…</answer>` if any, else the text after the last `####`,
+    /// else the last `\boxed{…}`; a `####` or `\boxed{…}` inside the tag is honoured. The
+    /// candidate must hold exactly one number (bold, `$`, commas, units and trailing words
+    /// around it are fine: `#### **540**`, `#### 100 dollars`).
     Strict,
-    /// The last number anywhere in the completion (lm-eval's "flexible-extract").
+    /// The last `\boxed{…}` holding one number, else the first number after the last "the
+    /// answer is" / "Answer:", else the strict candidate, else the last number anywhere
+    /// (lm-eval's "flexible-extract").
     Flexible,
 }
 
 /// GSM8K correctness: 1.0 when the extracted number equals the reference, else 0.0.
 ///
-/// Numbers compare by value after removing commas, `$`, `%`, spaces and a trailing period:
-/// `"$1,000."` is 1000 and `"18.0"` is 18. The reference may be a bare answer (`"18"`) or a full
-/// GSM8K solution ending in `#### 18`.
+/// Numbers compare exactly as decimals or fractions after removing commas, `$`, `%`, bold and
+/// units: `"$1,000."` is 1000 and `"18.0"` is 18; a number too large for `f64` equals nothing.
+/// The reference may be a bare answer (`"18"`) or a full GSM8K solution ending in `#### 18`.
 #[derive(Debug, Clone)]
 pub struct Gsm8kReward {
     mode: Gsm8kMode,
@@ -53,22 +54,34 @@ impl Gsm8kReward {
         self.mode
     }
 
-    /// The answer text this reward reads from a completion (before number parsing), if any.
+    /// The answer text this reward reads from a completion, if any: the strict candidate
+    /// (before number parsing), or the flexible number.
     pub fn extract(&self, completion: &str) -> Option<String> {
         match self.mode {
-            Gsm8kMode::Strict => {
-                let mut cand =
-                    extract_answer_tag(completion).or_else(|| extract_hash_answer(completion))?;
-                if let Some(after) = extract_hash_answer(cand) {
-                    cand = after;
-                }
-                if let Some(inner) = last_boxed(cand) {
-                    cand = inner;
-                }
-                Some(cand.to_string())
-            }
-            Gsm8kMode::Flexible => last_number(completion),
+            Gsm8kMode::Strict => strict_candidate(completion).map(str::to_string),
+            Gsm8kMode::Flexible => flexible_number(completion).map(|(text, _, _)| text),
         }
+    }
+
+    /// The number this reward reads from a completion, with its spelling.
+    pub fn extract_number(&self, completion: &str) -> Option<(String, GsmNumber)> {
+        match self.mode {
+            Gsm8kMode::Strict => strict_candidate(completion).and_then(single_number),
+            Gsm8kMode::Flexible => flexible_number(completion).map(|(t, n, _)| (t, n)),
+        }
+    }
+
+    /// The reference number of `answer` (a bare answer or a solution ending in `#### N`).
+    pub fn reference_number(&self, answer: &str) -> Result<GsmNumber, RewardError> {
+        let bad = |reason: &str| RewardError::BadReference {
+            reward: self.name.clone(),
+            answer: answer.to_string(),
+            reason: reason.to_string(),
+        };
+        let reference = gsm8k_reference_answer(answer).ok_or_else(|| bad("empty"))?;
+        single_number(&reference)
+            .map(|(_, n)| n)
+            .ok_or_else(|| bad("not a number"))
     }
 }
 
@@ -78,25 +91,17 @@ impl Reward for Gsm8kReward {
     }
 
     fn score(&self, completion: &str, answer: &str) -> Result<f32, RewardError> {
-        let bad = |reason: &str| RewardError::BadReference {
-            reward: self.name.clone(),
-            answer: answer.to_string(),
-            reason: reason.to_string(),
-        };
-        let reference = gsm8k_reference_answer(answer).ok_or_else(|| bad("empty"))?;
-        let reference = parse_number(&reference).ok_or_else(|| bad("not a number"))?;
-        let Some(pred) = self.extract(completion) else {
-            return Ok(0.0);
-        };
-        Ok(match parse_number(&pred) {
-            Some(v) if numbers_equal(v, reference) => 1.0,
+        let reference = self.reference_number(answer)?;
+        Ok(match self.extract_number(completion) {
+            Some((_, n)) if n.same(&reference) => 1.0,
             _ => 0.0,
         })
     }
 }
 
-/// MATH-500 correctness: 1.0 when the last `\boxed{…}` of the completion (or, without one, the
-/// content of the last `<answer>…</answer>`) is [`math_equiv`] to the reference, else 0.0.
+/// MATH-500 correctness: 1.0 when the completion's final answer (the last `\boxed{…}`, else
+/// the last `<answer>…</answer>`, else what follows "the answer is" / "Answer:") is
+/// [`math_equiv`] to the reference, else 0.0.
 ///
 /// The reference is the dataset's `answer` field; a full solution containing `\boxed{…}` works
 /// too (its last box is used).
@@ -109,7 +114,9 @@ impl Math500Reward {
         Self
     }
 
-    /// The answer text this reward reads from a completion, if any.
+    /// The answer where the format puts it: the last `\boxed{…}`, else the last `<answer>`
+    /// tag (the strict verdict of `qerl eval`). Scoring also reads an answer phrase
+    /// ([`extract_math_answer`]).
     pub fn extract(completion: &str) -> Option<&str> {
         last_boxed(completion).or_else(|| {
             let tag = extract_answer_tag(completion)?;
@@ -132,8 +139,8 @@ impl Reward for Math500Reward {
                 reason: "empty".into(),
             });
         }
-        Ok(match Self::extract(completion) {
-            Some(pred) if math_equiv(pred, reference) => 1.0,
+        Ok(match extract_math_answer(completion) {
+            Some((pred, _)) if math_equiv(pred, reference) => 1.0,
             _ => 0.0,
         })
     }

@@ -45,20 +45,22 @@ static PLAIN_NUMBER: LazyLock<Regex> =
 pub fn parse_number(s: &str) -> Option<f64> {
     let t = normalize_number_text(s);
     if PLAIN_NUMBER.is_match(&t) {
-        return t.parse().ok();
+        // 309 digits overflow to infinity: not a number anyone can grade.
+        return t.parse().ok().filter(|v: &f64| v.is_finite());
     }
     let (num, den) = t.split_once('/')?;
     if !PLAIN_NUMBER.is_match(num) || !PLAIN_NUMBER.is_match(den) {
         return None;
     }
     let (num, den): (f64, f64) = (num.parse().ok()?, den.parse().ok()?);
-    (den != 0.0).then(|| num / den)
+    Some(num / den).filter(|v| v.is_finite())
 }
 
 /// Whether two numbers are the same answer: equal up to a relative 1e-6 (so `18 == 18.0` and
-/// `0.1 + 0.2 == 0.3`, but `1000 != 1001`).
+/// `0.1 + 0.2 == 0.3`, but `1000 != 1001`). Infinities and NaN equal nothing (a number too
+/// large for `f64` must not match every other such number, nor pass `inf <= inf`).
 pub fn numbers_equal(a: f64, b: f64) -> bool {
-    (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1.0)
+    a.is_finite() && b.is_finite() && (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1.0)
 }
 
 static ANY_NUMBER: LazyLock<Regex> =

@@ -7,26 +7,40 @@
 //! run.
 //!
 //! Checkers:
-//! * [`Gsm8kReward`]: strict (`<answer>…</answer>` or `#### N`) or flexible (last number);
-//!   numbers compare by value, after removing commas, `$`, `%`, spaces and a trailing period.
-//! * [`Math500Reward`]: last `\boxed{…}` (nested braces) or `<answer>` content, normalised
-//!   (`\frac`/`\dfrac`, `\left`/`\right`, `^\circ`, `\text{…}`, units, spaces) and compared as
-//!   strings, numbers (`\frac{1}{2}` == 0.5 == 1/2) or tuples element-wise.
+//! * [`Gsm8kReward`]: strict (`<answer>…</answer>`, `#### N` or a final `\boxed{N}`) or
+//!   flexible (boxed, "the answer is", marker, last number); the answer must hold exactly one
+//!   number, which compares exactly (see [`gsm8k`]).
+//! * [`Math500Reward`]: last `\boxed{…}`, `<answer>` content or "the answer is …", parsed
+//!   into an expression ([`latex`]) and compared structurally and numerically: fractions in
+//!   any spelling, roots, `\pi`, powers, implicit products, units, percent, thousands
+//!   separators, bases, intervals, tuples, sets, matrices, equations, choice letters.
 //! * [`FormatReward`]: a regular expression the completion must contain, e.g. QeRL's
 //!   `<think>…</think> <answer>…</answer>` layout.
 //! * [`LengthReward`]: a toy reward (characters / 1000) for timing runs on random models.
+//!
+//! [`explain`] says what a reward extracted and why it matched or not. `docs/rewards.md`
+//! lists what the graders accept.
 
 mod checkers;
+mod explain;
 mod extract;
+pub mod gsm8k;
+pub mod latex;
 mod math;
+mod normalize;
 mod set;
 
 pub use checkers::{FormatReward, Gsm8kMode, Gsm8kReward, LengthReward, Math500Reward};
+pub use explain::{explain, Explanation};
 pub use extract::{
     extract_answer_tag, extract_hash_answer, gsm8k_reference_answer, last_number,
     normalize_number_text, numbers_equal, parse_number,
 };
-pub use math::{last_boxed, math_equiv, normalize_math_answer, parse_math_number};
+pub use math::{
+    answer_after_phrase, extract_math_answer, grade_math, last_boxed, math_equiv,
+    parse_math_number, AnswerSource, MathGrade,
+};
+pub use normalize::normalize_math_answer;
 pub use set::{BatchScores, RewardFailure, RewardSet, SampleScore};
 
 /// Why a reward could not score a sample. A [`RewardSet`] turns these into a score of 0.

@@ -1,0 +1,670 @@
+//! Tokens → [`Expr`]: a recursive-descent parser whose nesting is bounded by [`MAX_DEPTH`]
+//! (so no input can exhaust the stack) and which reads every token once (linear time).
+//!
+//! Grammar, loosest first: list (`,` `;` `and` `or`) → union (`\cup`) → relation (`=` `<`
+//! `\le` ...) → sum (`+` `-` `\pm`) → product (`*` `\cdot` `\times` `/` `\div`, implicit) →
+//! signs → power (`^`, postfix `!` `%` and trailing units) → primary.
+
+use super::expr::{Constant, Expr, Func, Rel};
+use super::lexer::Tok;
+use super::words::{
+    constant_word, function, is_constant_word, is_list_conjunction, is_unit_word,
+    is_variable_command, text_key,
+};
+use super::ParseError;
+
+/// The deepest nesting of brackets, fractions, roots and exponents an answer may have.
+pub(crate) const MAX_DEPTH: usize = 40;
+
+pub(crate) struct Parser {
+    toks: Vec<Tok>,
+    pos: usize,
+    depth: usize,
+}
+
+fn unexpected(t: Option<&Tok>) -> ParseError {
+    match t {
+        Some(t) => ParseError::Unexpected(format!("{t:?}")),
+        None => ParseError::Unexpected("end of answer".into()),
+    }
+}
+
+impl Parser {
+    pub(crate) fn new(toks: Vec<Tok>) -> Self {
+        Self {
+            toks,
+            pos: 0,
+            depth: 0,
+        }
+    }
+
+    fn peek(&self) -> Option<&Tok> {
+        self.toks.get(self.pos)
+    }
+
+    fn peek_at(&self, k: usize) -> Option<&Tok> {
+        self.toks.get(self.pos + k)
+    }
+
+    fn bump(&mut self) -> Option<Tok> {
+        let t = self.toks.get(self.pos).cloned();
+        self.pos += usize::from(t.is_some());
+        t
+    }
+
+    fn eat(&mut self, c: char) -> bool {
+        if self.peek() == Some(&Tok::Sym(c)) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn expect(&mut self, c: char) -> Result<(), ParseError> {
+        if self.eat(c) {
+            Ok(())
+        } else {
+            Err(unexpected(self.peek()))
+        }
+    }
+
+    fn is_cmd(&self, name: &str) -> bool {
+        matches!(self.peek(), Some(Tok::Cmd(n)) if n == name)
+    }
+
+    /// The whole answer: a list, with nothing left over.
+    pub(crate) fn answer(&mut self) -> Result<Expr, ParseError> {
+        let items = self.list_items()?;
+        if self.pos < self.toks.len() {
+            return Err(unexpected(self.peek()));
+        }
+        Ok(if items.len() == 1 {
+            items.into_iter().next().unwrap_or(Expr::Set(Vec::new()))
+        } else {
+            Expr::Set(items)
+        })
+    }
+
+    /// Whether the next token separates list items (and consumes it).
+    fn eat_separator(&mut self) -> bool {
+        let sep = match self.peek() {
+            Some(Tok::Sym(',' | ';')) => true,
+            Some(Tok::Word(w)) | Some(Tok::Text(w)) => is_list_conjunction(w),
+            _ => false,
+        };
+        self.pos += usize::from(sep);
+        sep
+    }
+
+    fn list_items(&mut self) -> Result<Vec<Expr>, ParseError> {
+        let mut items = vec![self.union()?];
+        while self.eat_separator() {
+            items.push(self.union()?);
+        }
+        Ok(items)
+    }
+
+    fn union(&mut self) -> Result<Expr, ParseError> {
+        let first = self.relation()?;
+        if !self.is_cmd("cup") {
+            return Ok(first);
+        }
+        let mut parts = vec![first];
+        while self.is_cmd("cup") {
+            self.pos += 1;
+            parts.push(self.relation()?);
+        }
+        Ok(Expr::Union(parts))
+    }
+
+    fn relation_op(&mut self) -> Option<Rel> {
+        let op = match self.peek()? {
+            Tok::Sym('=') => Rel::Eq,
+            Tok::Sym('<') if self.peek_at(1) == Some(&Tok::Sym('=')) => {
+                self.pos += 1;
+                Rel::Le
+            }
+            Tok::Sym('>') if self.peek_at(1) == Some(&Tok::Sym('=')) => {
+                self.pos += 1;
+                Rel::Ge
+            }
+            Tok::Sym('<') => Rel::Lt,
+            Tok::Sym('>') => Rel::Gt,
+            Tok::Cmd(c) if c == "le" => Rel::Le,
+            Tok::Cmd(c) if c == "ge" => Rel::Ge,
+            Tok::Cmd(c) if c == "ne" => Rel::Ne,
+            _ => return None,
+        };
+        self.pos += 1;
+        Some(op)
+    }
+
+    fn relation(&mut self) -> Result<Expr, ParseError> {
+        let mut lhs = self.sum()?;
+        while let Some(op) = self.relation_op() {
+            let rhs = self.sum()?;
+            lhs = Expr::Relation {
+                op,
+                lhs: Box::new(lhs),
+                rhs: Box::new(rhs),
+            };
+        }
+        Ok(lhs)
+    }
+
+    fn sum(&mut self) -> Result<Expr, ParseError> {
+        let mut terms = Vec::new();
+        if self.is_cmd("pm") {
+            self.pos += 1;
+            let rest = self.sum_nested()?;
+            return Ok(Expr::PlusMinus(
+                Box::new(Expr::Num("0".into())),
+                Box::new(rest),
+            ));
+        }
+        terms.push(self.signed_product()?);
+        loop {
+            if self.eat('+') {
+                terms.push(self.signed_product()?);
+            } else if self.peek() == Some(&Tok::Sym('-')) {
+                terms.push(self.signed_product()?);
+            } else if self.is_cmd("pm") || self.is_cmd("mp") {
+                self.pos += 1;
+                let rest = self.sum_nested()?;
+                return Ok(Expr::PlusMinus(Box::new(flat_add(terms)), Box::new(rest)));
+            } else {
+                return Ok(flat_add(terms));
+            }
+        }
+    }
+
+    /// A sum inside `\pm`, counted against the depth bound.
+    fn sum_nested(&mut self) -> Result<Expr, ParseError> {
+        self.enter()?;
+        let r = self.sum();
+        self.depth -= 1;
+        r
+    }
+
+    /// Leading signs (counted in a loop, never recursively), then a product.
+    fn signed_product(&mut self) -> Result<Expr, ParseError> {
+        let mut negative = false;
+        loop {
+            if self.eat('-') {
+                negative = !negative;
+            } else if !self.eat('+') {
+                break;
+            }
+        }
+        let p = self.product()?;
+        Ok(if negative { Expr::Neg(Box::new(p)) } else { p })
+    }
+
+    /// A factor after `*` or `/`: it may carry its own signs (`2 \cdot -3`).
+    fn signed_factor(&mut self) -> Result<Expr, ParseError> {
+        let mut negative = false;
+        while self.eat('-') {
+            negative = !negative;
+        }
+        let p = self.power()?;
+        Ok(if negative { Expr::Neg(Box::new(p)) } else { p })
+    }
+
+    fn product(&mut self) -> Result<Expr, ParseError> {
+        let mut factors = vec![self.power()?];
+        loop {
+            if self.eat('*') {
+                factors.push(self.signed_factor()?);
+            } else if self.eat('/') {
+                let den = self.signed_factor()?;
+                let num = factors.pop().unwrap_or(Expr::Num("1".into()));
+                factors.push(Expr::Div(Box::new(num), Box::new(den)));
+            } else if self.skip_unit() {
+                continue;
+            } else if self.starts_implicit_factor() {
+                factors.push(self.power()?);
+            } else {
+                break;
+            }
+        }
+        Ok(if factors.len() == 1 {
+            factors.pop().unwrap_or(Expr::Num("1".into()))
+        } else {
+            Expr::Mul(factors)
+        })
+    }
+
+    /// Drops a unit after a value (`\text{ cm}^2`, `square units`, `dollars`); true if one was.
+    fn skip_unit(&mut self) -> bool {
+        let is_unit = match self.peek() {
+            Some(Tok::Text(t)) => !is_list_conjunction(t),
+            Some(Tok::Word(w)) => is_unit_word(w) && !is_list_conjunction(w),
+            _ => false,
+        };
+        if !is_unit {
+            return false;
+        }
+        self.pos += 1;
+        // `cm^2`, `\text{cm}^{3}`
+        if self.peek() == Some(&Tok::Sym('^')) {
+            match (self.peek_at(1), self.peek_at(2), self.peek_at(3)) {
+                (Some(Tok::Num(_)), _, _) => self.pos += 2,
+                (Some(Tok::Sym('{')), Some(Tok::Num(_)), Some(Tok::Sym('}'))) => self.pos += 4,
+                _ => {}
+            }
+        }
+        true
+    }
+
+    fn starts_implicit_factor(&self) -> bool {
+        match self.peek() {
+            Some(Tok::Num(_)) | Some(Tok::Sym('(' | '{')) | Some(Tok::Begin(_)) => true,
+            Some(Tok::Word(w)) => !is_list_conjunction(w),
+            Some(Tok::Cmd(c)) => !matches!(
+                c.as_str(),
+                "le" | "ge"
+                    | "ne"
+                    | "pm"
+                    | "mp"
+                    | "cup"
+                    | "cap"
+                    | "to"
+                    | "approx"
+                    | "rfloor"
+                    | "rceil"
+                    | "in"
+                    | "implies"
+                    | "quad"
+            ),
+            _ => false,
+        }
+    }
+
+    fn enter(&mut self) -> Result<(), ParseError> {
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            Err(ParseError::TooDeep)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// A primary with its exponent and postfix operators.
+    fn power(&mut self) -> Result<Expr, ParseError> {
+        let mut base = self.primary()?;
+        loop {
+            if self.eat('^') {
+                if let Some(exp) = self.exponent()? {
+                    base = Expr::Pow(Box::new(base), Box::new(exp));
+                }
+            } else if self.eat('!') {
+                base = Expr::Call(Func::Factorial, vec![base]);
+            } else if self.eat('%') || self.eat('\'') {
+                // Percent: the number as written (`10\%` answers "10"). Primes: ignored.
+            } else {
+                return Ok(base);
+            }
+        }
+    }
+
+    /// The exponent after `^`: a group, or one token (`x^23` is `x^2 \cdot 3` in LaTeX).
+    /// `None` for an exponent that was only `^\circ` (dropped by the lexer).
+    fn exponent(&mut self) -> Result<Option<Expr>, ParseError> {
+        match self.peek() {
+            None => Ok(None),
+            Some(Tok::Sym('{')) if self.peek_at(1) == Some(&Tok::Sym('}')) => {
+                self.pos += 2;
+                Ok(None)
+            }
+            Some(Tok::Sym('-')) => {
+                self.pos += 1;
+                Ok(Some(Expr::Neg(Box::new(self.argument()?))))
+            }
+            Some(_) => self.argument().map(Some),
+        }
+    }
+
+    /// One argument of `\frac`, `\sqrt`, `^`: a brace group, or a single digit / letter /
+    /// command (`\frac12`, `\sqrt3`, `\frac\pi2`).
+    fn argument(&mut self) -> Result<Expr, ParseError> {
+        match self.peek().cloned() {
+            Some(Tok::Sym('{')) => self.group('{', '}'),
+            Some(Tok::Num(s)) if s.len() > 1 => {
+                let first: String = s.chars().take(1).collect();
+                let rest: String = s.chars().skip(1).collect();
+                if rest.starts_with('.') {
+                    self.pos += 1;
+                    return Ok(Expr::Num(s));
+                }
+                self.toks[self.pos] = Tok::Num(rest);
+                Ok(Expr::Num(first))
+            }
+            Some(Tok::Word(w)) if w.len() > 1 => {
+                let first: String = w.chars().take(1).collect();
+                self.toks[self.pos] = Tok::Word(w.chars().skip(1).collect());
+                self.enter()?;
+                let r = self.word(&first);
+                self.depth -= 1;
+                r
+            }
+            Some(Tok::Sym(c)) if c != '(' && c != '|' => Err(unexpected(self.peek())),
+            _ => self.primary(),
+        }
+    }
+
+    /// `open … close` holding one expression (or a list, as a set, for braces).
+    fn group(&mut self, open: char, close: char) -> Result<Expr, ParseError> {
+        self.enter()?;
+        self.expect(open)?;
+        let items = self.list_items()?;
+        self.expect(close)?;
+        self.depth -= 1;
+        Ok(if items.len() == 1 {
+            items.into_iter().next().unwrap_or(Expr::Set(Vec::new()))
+        } else {
+            Expr::Set(items)
+        })
+    }
+
+    fn primary(&mut self) -> Result<Expr, ParseError> {
+        self.enter()?;
+        let r = self.primary_inner();
+        self.depth -= 1;
+        r
+    }
+
+    fn primary_inner(&mut self) -> Result<Expr, ParseError> {
+        let Some(tok) = self.bump() else {
+            return Err(unexpected(None));
+        };
+        match tok {
+            Tok::Num(s) => self.number(s),
+            Tok::Word(w) => self.word(&w),
+            Tok::Text(t) => text_value(&t),
+            Tok::Cmd(c) => self.command(&c),
+            Tok::Sym(open @ ('(' | '[')) => {
+                let items = self.list_items()?;
+                let close = match self.bump() {
+                    Some(Tok::Sym(c @ (')' | ']'))) => c,
+                    other => return Err(unexpected(other.as_ref())),
+                };
+                if items.len() == 1 && (open == '(') == (close == ')') {
+                    return Ok(items.into_iter().next().unwrap_or(Expr::Set(Vec::new())));
+                }
+                Ok(Expr::Seq { open, close, items })
+            }
+            Tok::Sym('{') => {
+                self.pos -= 1;
+                self.depth -= 1; // `group` counts this level itself
+                let r = self.group('{', '}');
+                self.depth += 1;
+                r
+            }
+            Tok::SetOpen => {
+                if self.peek() == Some(&Tok::SetClose) {
+                    self.pos += 1;
+                    return Ok(Expr::Set(Vec::new()));
+                }
+                let items = self.list_items()?;
+                match self.bump() {
+                    Some(Tok::SetClose) => Ok(Expr::Set(items)),
+                    other => Err(unexpected(other.as_ref())),
+                }
+            }
+            Tok::Sym('|') => {
+                let inner = self.sum()?;
+                self.expect('|')?;
+                Ok(Expr::Call(Func::Abs, vec![inner]))
+            }
+            Tok::Begin(env) => self.environment(&env),
+            other => Err(unexpected(Some(&other))),
+        }
+    }
+
+    /// A number, with a base subscript (`2516_8`, `101_{2}`) or a mixed fraction (`2\frac12`).
+    fn number(&mut self, digits: String) -> Result<Expr, ParseError> {
+        if self.eat('_') {
+            let base = match self.argument()? {
+                Expr::Num(b) => b.parse::<u32>().ok(),
+                Expr::Text(t) => base_word(&t),
+                _ => None,
+            };
+            let base = base
+                .filter(|b| (2..=36).contains(b))
+                .ok_or(ParseError::Unexpected("base subscript".into()))?;
+            return Ok(Expr::Based {
+                digits: digits.trim_start_matches('0').to_string(),
+                base,
+            });
+        }
+        // A whole number directly followed by a fraction of whole numbers is a mixed number.
+        if !digits.contains('.') && self.is_cmd("frac") {
+            let save = self.pos;
+            self.pos += 1;
+            let num = self.argument()?;
+            let den = self.argument()?;
+            if let (Expr::Num(a), Expr::Num(b)) = (&num, &den) {
+                if !a.contains('.') && !b.contains('.') {
+                    let frac = Expr::Div(Box::new(num), Box::new(den));
+                    return Ok(Expr::Add(vec![Expr::Num(digits), frac]));
+                }
+            }
+            self.pos = save;
+        }
+        Ok(Expr::Num(digits))
+    }
+
+    /// A bare word: a function, a constant, a variable (with subscript) or a product of
+    /// one-letter variables (`xy`).
+    fn word(&mut self, w: &str) -> Result<Expr, ParseError> {
+        if let Some(f) = function(w) {
+            return self.call(f);
+        }
+        if let Some(c) = constant_word(w) {
+            return Ok(c);
+        }
+        let letters: Vec<Expr> = w.chars().map(letter).collect();
+        let mut letters = letters;
+        if self.eat('_') {
+            let sub = self.argument()?;
+            if let Some(Expr::Var(v)) = letters.pop() {
+                letters.push(Expr::Var(format!("{v}_{sub}")));
+            } else {
+                return Err(ParseError::Unexpected("subscript".into()));
+            }
+        }
+        Ok(if letters.len() == 1 {
+            letters.pop().unwrap_or(Expr::Num("1".into()))
+        } else {
+            Expr::Mul(letters)
+        })
+    }
+
+    fn command(&mut self, c: &str) -> Result<Expr, ParseError> {
+        if let Some(f) = function(c) {
+            if f == Func::Sqrt {
+                if self.peek() == Some(&Tok::Sym('[')) {
+                    let index = self.group('[', ']')?;
+                    let x = self.argument()?;
+                    return Ok(Expr::Call(Func::Root, vec![index, x]));
+                }
+                return Ok(Expr::Call(Func::Sqrt, vec![self.argument()?]));
+            }
+            return self.call(f);
+        }
+        if is_variable_command(c) {
+            return Ok(Expr::Var(c.to_string()));
+        }
+        match c {
+            "frac" => {
+                let num = self.argument()?;
+                let den = self.argument()?;
+                Ok(Expr::Div(Box::new(num), Box::new(den)))
+            }
+            "binom" => {
+                let n = self.argument()?;
+                let k = self.argument()?;
+                Ok(Expr::Call(Func::Binom, vec![n, k]))
+            }
+            "pi" => Ok(Expr::Const(Constant::Pi)),
+            "infty" => Ok(Expr::Infinity),
+            "emptyset" | "varnothing" => Ok(Expr::Set(Vec::new())),
+            "lfloor" | "lceil" => {
+                let inner = self.sum()?;
+                let (close, f) = if c == "lfloor" {
+                    ("rfloor", Func::Floor)
+                } else {
+                    ("rceil", Func::Ceil)
+                };
+                if !self.is_cmd(close) {
+                    return Err(unexpected(self.peek()));
+                }
+                self.pos += 1;
+                Ok(Expr::Call(f, vec![inner]))
+            }
+            _ => Err(ParseError::UnknownCommand(c.to_string())),
+        }
+    }
+
+    /// A function application: `\sin x`, `\sin(x)`, `\sin^2 x`, `\log_2 8`, `\ln\left(x\right)`.
+    fn call(&mut self, f: Func) -> Result<Expr, ParseError> {
+        let mut power = None;
+        let mut base = None;
+        for _ in 0..2 {
+            if self.eat('^') {
+                power = Some(self.argument()?);
+            } else if f == Func::Log && self.eat('_') {
+                base = Some(self.argument()?);
+            }
+        }
+        let arg = if self.peek() == Some(&Tok::Sym('(')) {
+            self.group('(', ')')?
+        } else {
+            self.power()?
+        };
+        let call = match base {
+            Some(b) => Expr::Call(Func::Log, vec![b, arg]),
+            None => Expr::Call(f, vec![arg]),
+        };
+        Ok(match power {
+            Some(p) => Expr::Pow(Box::new(call), Box::new(p)),
+            None => call,
+        })
+    }
+
+    /// `\begin{env} … \end{env}`: a matrix in any matrix environment (rows of `&`-separated
+    /// cells), or the lines of `aligned`/`gathered`/`cases` as a list.
+    fn environment(&mut self, env: &str) -> Result<Expr, ParseError> {
+        let matrix = matches!(
+            env,
+            "matrix"
+                | "pmatrix"
+                | "bmatrix"
+                | "Bmatrix"
+                | "vmatrix"
+                | "Vmatrix"
+                | "smallmatrix"
+                | "array"
+        );
+        let mut rows: Vec<Vec<Expr>> = vec![Vec::new()];
+        loop {
+            match self.peek() {
+                Some(Tok::End(e)) if e == env => {
+                    self.pos += 1;
+                    break;
+                }
+                Some(Tok::RowSep) => {
+                    self.pos += 1;
+                    rows.push(Vec::new());
+                }
+                Some(Tok::Sym('&')) => {
+                    self.pos += 1;
+                }
+                None => return Err(ParseError::Unbalanced("environment")),
+                Some(_) => {
+                    let cell = self.union()?;
+                    if let Some(row) = rows.last_mut() {
+                        row.push(cell);
+                    }
+                }
+            }
+        }
+        rows.retain(|r| !r.is_empty());
+        if matrix {
+            let width = rows.first().map_or(0, Vec::len);
+            if width == 0 || rows.iter().any(|r| r.len() != width) {
+                return Err(ParseError::Unexpected("ragged matrix".into()));
+            }
+            Ok(Expr::Matrix(rows))
+        } else {
+            Ok(Expr::Set(rows.into_iter().flatten().collect()))
+        }
+    }
+}
+
+/// A one-letter variable, or the constants `e` and `i`.
+fn letter(c: char) -> Expr {
+    match c {
+        'e' => Expr::Const(Constant::E),
+        'i' => Expr::Const(Constant::I),
+        other => Expr::Var(other.to_string()),
+    }
+}
+
+/// Flattens nested sums into one.
+fn flat_add(terms: Vec<Expr>) -> Expr {
+    if terms.len() == 1 {
+        return terms.into_iter().next().unwrap_or(Expr::Num("0".into()));
+    }
+    let mut out = Vec::with_capacity(terms.len());
+    for t in terms {
+        match t {
+            Expr::Add(inner) => out.extend(inner),
+            other => out.push(other),
+        }
+    }
+    Expr::Add(out)
+}
+
+/// The value of a `\text{…}` group standing alone: a number, a choice letter, a constant or
+/// words.
+fn text_value(t: &str) -> Result<Expr, ParseError> {
+    let trimmed = t.trim();
+    if !trimmed.is_empty() && trimmed.chars().all(|c| c.is_ascii_digit()) {
+        return Ok(Expr::Num(trimmed.to_string()));
+    }
+    if let Some(c) = super::words::choice_letter(trimmed) {
+        return Ok(Expr::Choice(c));
+    }
+    match trimmed {
+        "e" => return Ok(Expr::Const(Constant::E)),
+        "i" => return Ok(Expr::Const(Constant::I)),
+        w if is_constant_word(w) => return constant_word(w).ok_or(ParseError::Empty),
+        _ => {}
+    }
+    let key = text_key(trimmed);
+    if key.is_empty() {
+        return Err(ParseError::Empty);
+    }
+    Ok(Expr::Text(key))
+}
+
+/// Bases written as words in a subscript (`10_{\text{ten}}`).
+fn base_word(t: &str) -> Option<u32> {
+    Some(match t {
+        "two" => 2,
+        "three" => 3,
+        "four" => 4,
+        "five" => 5,
+        "six" => 6,
+        "seven" => 7,
+        "eight" => 8,
+        "nine" => 9,
+        "ten" => 10,
+        "eleven" => 11,
+        "twelve" => 12,
+        "sixteen" => 16,
+        _ => t.parse().ok()?,
+    })
+}
