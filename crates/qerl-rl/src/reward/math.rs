@@ -2,13 +2,11 @@
 //! with the [`super::latex`] parser.
 //!
 //! An answer is parsed into an expression and compared structurally and numerically
-//! ([`super::latex::equivalent`]). Only when one side cannot be parsed at all does grading
-//! fall back to comparing the Hendrycks-normalised texts for exact equality; an empty or
-//! missing answer is always wrong.
+//! ([`super::latex::equivalent`]). An answer that cannot be parsed is wrong unless it is the
+//! reference as written; an empty or missing answer is always wrong.
 
 use super::extract::extract_answer_tag;
 use super::latex::{equivalent, parse_answer, Expr, ParseError, MAX_ANSWER_LEN};
-use super::normalize::normalize_math_answer;
 
 /// Content of the **last** `\boxed{…}` (or `\fbox{…}`) in `text`, with nested braces, trimmed.
 /// Also reads the brace-less form `\boxed 5`. `None` when there is none, or when the last one
@@ -157,12 +155,12 @@ pub fn grade_math(pred: &str, reference: &str) -> MathGrade {
                 (v.equal, v.reason)
             }
             _ if p.len() > MAX_ANSWER_LEN => (false, "answer too long"),
+            // Unparsable input is wrong, unless it is the reference character for character
+            // (spaces aside): normalising text by rules (as the Hendrycks grader does) would
+            // let hedges such as `5 \text{ or 6}` through.
             _ => {
-                let (a, b) = (normalize_math_answer(p), normalize_math_answer(r));
-                (
-                    !a.is_empty() && a == b,
-                    "unparsable: compared as normalised text",
-                )
+                let squeeze = |s: &str| s.split_whitespace().collect::<String>();
+                (squeeze(p) == squeeze(r), "unparsable: compared as written")
             }
         }
     };

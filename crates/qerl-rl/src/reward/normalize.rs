@@ -1,5 +1,6 @@
-//! Text normalisation of MATH answers (the Hendrycks grader's rules): the last resort when an
-//! answer cannot be parsed into an expression, and [`normalize_math_answer`]'s public form.
+//! Text normalisation of MATH answers (the Hendrycks grader's rules), kept as a public helper
+//! for callers that want canonical text. Grading no longer uses it: its rules (cut at
+//! `\text{ `, drop units by pattern) accept hedges such as `5 \text{ or 6}`.
 
 use std::sync::LazyLock;
 

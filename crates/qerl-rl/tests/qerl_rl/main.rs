@@ -9,6 +9,8 @@ mod logprob;
 mod loss;
 mod metrics;
 mod optim;
+mod reward_cases;
+mod reward_fuzz;
 mod rewards;
 
 /// Asserts `|a - b| <= tol` with a readable message.

@@ -48,8 +48,9 @@ fn gsm8k_strict_takes_the_last_answer_and_needs_a_bare_number() {
         1.0
     );
     assert_eq!(gsm("#### 3\nactually\n#### 18", "18"), 1.0);
-    // Strict needs the candidate to be one number.
-    assert_eq!(gsm("<answer>18 dollars</answer>", "18"), 0.0);
+    // Strict needs the candidate to hold one number; units and words around it are fine.
+    assert_eq!(gsm("<answer>18 dollars</answer>", "18"), 1.0);
+    assert_eq!(gsm("<answer>17 or 18 dollars</answer>", "18"), 0.0);
     // No answer at all.
     assert_eq!(gsm("I think the answer is 18.", "18"), 0.0);
     assert_eq!(gsm("", "18"), 0.0);
@@ -185,9 +186,10 @@ fn math_extraction_fallbacks() {
     assert_eq!(math("<answer>so \\boxed{7}</answer>", "7"), 1.0);
     assert_eq!(
         math("the answer is 7", "7"),
-        0.0,
-        "no box, no tag: no answer"
+        1.0,
+        "no box, no tag: the answer phrase"
     );
+    assert_eq!(math("I computed 7", "7"), 0.0, "no box, tag or phrase");
     assert_eq!(math("\\boxed{}", "7"), 0.0, "an empty box is never right");
     // The reference may be a full solution with a box.
     assert_eq!(

@@ -328,16 +328,18 @@ fn numeric(p: &Expr, g: &Expr, r: &mut &'static str) -> bool {
 fn constants(p: &Expr, g: &Expr, r: &mut &'static str) -> bool {
     let (pe, ge) = (exact(p), exact(g));
     let (x, y) = (complex(p, &[]), complex(g, &[]));
-    if let (Some(places), None) = (decimal_places(g), decimal_places(p)) {
+    // The reference is a rounded decimal: an exact prediction that rounds to it counts,
+    // unless it is itself a finite decimal (then it would have been written as the reference).
+    let finite_decimal = pe.is_some_and(|a| a.terminates());
+    if let (Some(places), None, false) = (decimal_places(g), decimal_places(p), finite_decimal) {
         if !x.is_finite() || !y.is_finite() {
             return set(r, "not a finite number", false);
         }
-        // The reference is a rounded decimal: an exact prediction that rounds to it counts.
         let half_ulp = 0.5 * 10f64.powi(-(places.min(300) as i32));
         return set(
             r,
             "rounds to the decimal reference",
-            x.im.abs() < 1e-12 && y.im == 0.0 && (x.re - y.re).abs() <= half_ulp * (1.0 + 1e-9),
+            x.im.abs() < 1e-12 && y.im == 0.0 && (x.re - y.re).abs() < half_ulp,
         );
     }
     if let (Some(a), Some(b)) = (pe, ge) {

@@ -113,6 +113,18 @@ impl Ratio {
         Self::new(root(self.num)?, root(self.den)?)
     }
 
+    /// Whether the decimal expansion ends (the denominator has no prime factor but 2 and 5).
+    pub(crate) fn terminates(self) -> bool {
+        let mut d = self.den;
+        while d % 2 == 0 {
+            d /= 2;
+        }
+        while d % 5 == 0 {
+            d /= 5;
+        }
+        d == 1
+    }
+
     pub(crate) fn to_f64(self) -> f64 {
         self.num as f64 / self.den as f64
     }
@@ -159,8 +171,12 @@ pub(crate) fn exact(e: &Expr) -> Option<Ratio> {
         Expr::Call(Func::Binom, xs) => {
             let n = exact(xs.first()?)?.integer()?;
             let k = exact(xs.get(1)?)?.integer()?;
-            if k < 0 || n < 0 || k > n || k > 1000 {
+            if k < 0 || n < 0 || k > n {
                 return (k >= 0 && n >= 0).then_some(Ratio::int(0));
+            }
+            let k = k.min(n - k);
+            if k > 1000 {
+                return None;
             }
             let mut acc = Ratio::int(1);
             for j in 0..k {

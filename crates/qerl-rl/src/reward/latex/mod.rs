@@ -74,6 +74,7 @@ fn words_only(toks: &[lexer::Tok]) -> Option<Expr> {
                 prose |= w.len() >= 3;
                 parts.push(w.as_str());
             }
+            Tok::Sym('{' | '}') => {}
             _ => return None,
         }
     }

@@ -221,7 +221,10 @@ impl Parser {
                 let num = factors.pop().unwrap_or(Expr::Num("1".into()));
                 factors.push(Expr::Div(Box::new(num), Box::new(den)));
             } else if self.skip_unit() {
-                continue;
+                // A unit (`square units`: one or more words) ends the value: `5 \text{ cm } 6`
+                // is not 30.
+                while self.skip_unit() {}
+                break;
             } else if self.starts_implicit_factor() {
                 factors.push(self.power()?);
             } else {
@@ -238,7 +241,8 @@ impl Parser {
     /// Drops a unit after a value (`\text{ cm}^2`, `square units`, `dollars`); true if one was.
     fn skip_unit(&mut self) -> bool {
         let is_unit = match self.peek() {
-            Some(Tok::Text(t)) => !is_list_conjunction(t),
+            // A text with a number in it is not a unit (`5 \text{ or 6}` must not read as 5).
+            Some(Tok::Text(t)) => !is_list_conjunction(t) && !t.chars().any(|c| c.is_ascii_digit()),
             Some(Tok::Word(w)) => is_unit_word(w) && !is_list_conjunction(w),
             _ => false,
         };
@@ -308,7 +312,7 @@ impl Parser {
         }
     }
 
-    /// The exponent after `^`: a group, or one token (`x^23` is `x^2 \cdot 3` in LaTeX).
+    /// The exponent after `^`: a group, a number, or one letter or command.
     /// `None` for an exponent that was only `^\circ` (dropped by the lexer).
     fn exponent(&mut self) -> Result<Option<Expr>, ParseError> {
         match self.peek() {
@@ -320,6 +324,12 @@ impl Parser {
             Some(Tok::Sym('-')) => {
                 self.pos += 1;
                 Ok(Some(Expr::Neg(Box::new(self.argument()?))))
+            }
+            // `2^10` is written for 2^{10} far more often than for 2^1 \cdot 0.
+            Some(Tok::Num(n)) => {
+                let n = n.clone();
+                self.pos += 1;
+                Ok(Some(Expr::Num(n)))
             }
             Some(_) => self.argument().map(Some),
         }

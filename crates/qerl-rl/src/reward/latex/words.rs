@@ -95,8 +95,13 @@ pub(crate) fn constant_word(word: &str) -> Option<Expr> {
 }
 
 /// Words that join the items of a list of answers (`2 and 3`, `x = 1 \text{ or } x = 2`).
+/// A text group with `and` / `or` anywhere in it (`\text{ or maybe }`) joins items too, so
+/// that a hedge is read as a list, never as a unit.
 pub(crate) fn is_list_conjunction(word: &str) -> bool {
-    matches!(word.trim(), "and" | "or" | "," | "&")
+    word.trim() == ","
+        || word
+            .split(|c: char| !c.is_ascii_alphabetic())
+            .any(|w| w.eq_ignore_ascii_case("and") || w.eq_ignore_ascii_case("or"))
 }
 
 /// A choice letter written as `C`, `(C)`, `(c)` or `C)`; `None` for anything else.
