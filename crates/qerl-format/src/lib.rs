@@ -7,12 +7,14 @@
 //!
 //! Every format quantizes a row-major `[out, in]` matrix along `in` and has `quantize`,
 //! `dequantize`, `pack` and `unpack`. [`QuantizedWeight`] holds any of them.
-//! [`checkpoint`] reads Hugging Face checkpoints and writes quantized ones.
+//! [`checkpoint`] reads Hugging Face checkpoints and writes quantized ones; [`gguf`] converts
+//! llama.cpp's GGUF files into Hugging Face checkpoints.
 
 pub mod checkpoint;
 pub mod e2m1;
 mod error;
 pub mod fp8;
+pub mod gguf;
 pub mod mxfp4;
 pub mod nf4;
 pub mod nvfp4;

@@ -27,6 +27,8 @@ struct Cli {
 enum Command {
     /// Quantize a Hugging Face checkpoint's decoder linears to NVFP4, MXFP4 or NF4.
     Quantize(cmd::quantize::Args),
+    /// Convert a llama.cpp GGUF file (Llama / Qwen2) into a Hugging Face model directory.
+    Convert(cmd::convert::Args),
     /// Generate completions with a Qwen2 / Llama model (dense or NVFP4, optional LoRA adapter).
     Generate(cmd::generate::Args),
     /// Print, for every position of a text, the top-K next tokens and their log-probabilities.
@@ -52,6 +54,7 @@ fn main() {
     let result = match cli.command {
         None => cmd::demo::run(cli.demo),
         Some(Command::Quantize(args)) => cmd::quantize::run(args),
+        Some(Command::Convert(args)) => cmd::convert::run(args),
         Some(Command::Generate(args)) => cmd::generate::run(args),
         Some(Command::Score(args)) => cmd::score::run(args),
         Some(Command::Train(args)) => cmd::train::run(args),

@@ -16,7 +16,7 @@ pub mod config;
 mod error;
 pub mod layout;
 pub mod names;
-mod outdir;
+pub(crate) mod outdir;
 mod par;
 pub mod pyjson;
 mod quantize;
