@@ -16,6 +16,7 @@
 //! Shapes in the docs are `[batch, seq, ...]`; token ids are `u32` on the host.
 
 mod adapter;
+mod adapter_norms;
 mod attention;
 pub mod batch;
 pub mod config;
@@ -29,6 +30,7 @@ pub mod sampling;
 pub mod tokenizer;
 
 pub use adapter::{Adapter, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+pub use adapter_norms::LEGACY_NORMS_FILE;
 pub use attention::Attention;
 pub use batch::{Padding, TokenBatch};
 pub use config::{Architecture, GenerationDefaults, ModelConfig, RopeScaling};

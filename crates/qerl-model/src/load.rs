@@ -195,7 +195,8 @@ pub fn load<B: QerlBackend>(
 }
 
 /// [`load`], then the LoRA weights of a PEFT adapter (which decides the rank, alpha and target
-/// modules; `options.lora` is ignored).
+/// modules; `options.lora` is ignored) and the norm weights it carries (`modules_to_save`, or
+/// the norms file of an older qerl checkpoint) in place of the model's.
 pub fn load_with_adapter<B: QerlBackend>(
     dir: &Path,
     options: &LoadOptions,
@@ -221,10 +222,20 @@ pub fn load_with_adapter<B: QerlBackend>(
         });
     }
     check_blocks(&config, precision)?;
-    let lora = match adapter {
-        Some(a) => Some(a.spec()),
-        None => options.lora.clone(),
+    // An adapter decides the rank and alpha of each module it has weights for, and may
+    // replace norm weights (`modules_to_save`).
+    let lora_of = |module: &str| match adapter {
+        Some(a) => a.lora_config(module),
+        None => options
+            .lora
+            .as_ref()
+            .filter(|s| s.applies_to(module))
+            .map(|s| s.config),
     };
+    let adapter_norms = adapter
+        .map(|a| a.norm_weights(&config))
+        .transpose()?
+        .unwrap_or_default();
 
     let quantized_modules = match &source {
         Source::Quantized(q) => q.modules().into_iter().collect(),
@@ -241,6 +252,7 @@ pub fn load_with_adapter<B: QerlBackend>(
     };
     let norm = |r: &mut Reader, name: &str| -> Result<NoisyRmsNorm<B>> {
         let (w, _) = r.read(name, &[h], "an RMSNorm")?;
+        let w = adapter_norms.get(name).cloned().unwrap_or(w);
         let w = Tensor::<B, 1>::from_data(TensorData::new(w, [h]), device);
         Ok(NoisyRmsNorm::new(
             w,
@@ -261,10 +273,7 @@ pub fn load_with_adapter<B: QerlBackend>(
                 .find(|l| l.0 == suffix)
                 .expect("known linear");
             let module = format!("{p}.{suffix}");
-            let lora_cfg = lora
-                .as_ref()
-                .filter(|s| s.applies_to(&module))
-                .map(|s| s.config);
+            let lora_cfg = lora_of(&module);
             linear(
                 &mut r, &module, d_out, d_in, has_bias, precision, lora_cfg, device,
             )
