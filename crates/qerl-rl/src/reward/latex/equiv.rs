@@ -248,7 +248,7 @@ impl SplitMix {
 /// Trial points for the variables: scales vary so that both small and large arguments (and
 /// both signs) are tried.
 fn points(vars: &[String], trials: usize) -> Vec<Vec<(String, C)>> {
-    let mut rng = SplitMix(0x5EED_0F_0E12);
+    let mut rng = SplitMix(0x005E_ED0F_0E12);
     const SCALES: [f64; 4] = [2.0, 5.0, 0.9, 13.0];
     (0..trials)
         .map(|t| {

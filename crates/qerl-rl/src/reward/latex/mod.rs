@@ -8,6 +8,7 @@
 //! parser's nesting is bounded by [`parser::MAX_DEPTH`], and each pass over the input or the
 //! tree is linear, so no answer can crash or stall the trainer.
 
+mod commands;
 mod equiv;
 mod eval;
 mod expr;
