@@ -15,7 +15,7 @@ Subcommands:
   compare GGUF HF_DIR       every tensor of HF_DIR/model.safetensors vs gguf-py's dequantization
                             of the GGUF (q/k rows re-permuted here the llama.cpp way); prints the
                             largest difference per ggml type, exits 1 on a mismatch
-  logits GGUF --ids 1,2,3 --out REF.json [--top-k 10]
+  logits GGUF --ids 1,2,3 --out REF.json [--top-k 10] [--text TEXT]
                             numpy forward pass of the (llama) model in GGUF on the token ids;
                             writes each position's top-k next-token log-probabilities
 """
@@ -134,7 +134,7 @@ def hf_to_gguf_name(name: str) -> str:
 def to_llama_cpp_rows(w: np.ndarray, heads: int) -> np.ndarray:
     """Hugging Face row order -> llama.cpp's: within a head of d rows, row j*d/2 + i -> 2i + j."""
     d = w.shape[0] // heads
-    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(0, 2, 1, *range(3, w.ndim + 1)).reshape(w.shape)
+    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(0, 2, 1, *range(3, w.ndim + 2)).reshape(w.shape)
 
 
 def compare(gguf_path: Path, hf_dir: Path) -> int:
@@ -184,7 +184,7 @@ def rope_adjacent_pairs(x, theta, positions):
     return out
 
 
-def logits(gguf_path: Path, ids: list, out: Path, top_k: int) -> None:
+def logits(gguf_path: Path, ids: list, out: Path, top_k: int, text: str | None) -> None:
     tensors, reader = gguf_tensors(gguf_path)
     arch = field(reader, "general.architecture")
     if arch != "llama":
@@ -226,7 +226,7 @@ def logits(gguf_path: Path, ids: list, out: Path, top_k: int) -> None:
     for i in range(t):
         top = np.argsort(-logprobs[i])[:top_k]
         positions.append({"top": [[int(j), float(logprobs[i, j])] for j in top]})
-    doc = {"gguf": gguf_path.name, "ids": ids, "top_k": top_k, "positions": positions,
+    doc = {"gguf": gguf_path.name, "text": text, "ids": ids, "top_k": top_k, "positions": positions,
            "note": "numpy float64 forward pass on gguf-py's dequantization; tools/gguf_oracle.py"}
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
@@ -245,13 +245,14 @@ def main() -> int:
     a.add_argument("--ids", required=True)
     a.add_argument("--out", type=Path, required=True)
     a.add_argument("--top-k", type=int, default=10)
+    a.add_argument("--text", help="the text the ids encode (recorded, not tokenized here)")
     args = ap.parse_args()
     if args.cmd == "types-fixture":
         types_fixture(args.out_dir)
     elif args.cmd == "compare":
         return compare(args.gguf, args.hf_dir)
     else:
-        logits(args.gguf, [int(i) for i in args.ids.split(",")], args.out, args.top_k)
+        logits(args.gguf, [int(i) for i in args.ids.split(",")], args.out, args.top_k, args.text)
     return 0
 
 
