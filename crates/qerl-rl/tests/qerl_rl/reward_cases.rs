@@ -272,6 +272,10 @@ pub const MATH_CASES: &[(&str, &str, bool)] = &[
     ("x^2 + y^2 = 25", "y^2 + x^2 = 25", true),
     ("x^2 + y^2 = 26", "y^2 + x^2 = 25", false),
     (r"a = \frac{1}{2}", "0.5", true),
+    ("f(x) = 2x + 1", "2x+1", true),
+    ("f(x) = 2x + 2", "2x+1", false),
+    (r"x \in [2, 5)", "[2, 5)", true),
+    (r"x \in [2, 5]", "[2, 5)", false),
     // Inequalities.
     (r"x \le 3", r"x \leq 3", true),
     (r"3 \ge x", r"x \le 3", true),

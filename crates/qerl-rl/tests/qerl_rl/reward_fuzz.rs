@@ -93,6 +93,20 @@ fn deep_or_long_answers_are_graded_wrong_quickly_without_crashing() {
         assert_eq!(Gsm8kReward::flexible().score(&phrase, "5").unwrap(), 0.0);
         assert_eq!(math(&phrase, "5"), 0.0);
     });
+    // Long flat chains build deep trees without nesting brackets: bounded by the length limit.
+    for chain in [
+        format!("{}1", "1=".repeat(990)),
+        format!("{}2", "2^".repeat(990)),
+        format!("{}1", "1^4096^".repeat(280)),
+        format!("5{}", "!".repeat(1990)),
+        format!("{}1", "1/".repeat(990)),
+        format!("{}x", "x^".repeat(990)),
+    ] {
+        within(limit, "a long chain", || {
+            assert_eq!(math(&format!("\\boxed{{{chain}}}"), "0"), 0.0);
+            assert!(!math_equiv(&chain, &format!("{chain}+1")));
+        });
+    }
     let big_exact = "\\boxed{\\binom{10^{30}}{10^{29}}}";
     within(limit, "huge binomial", || {
         assert_eq!(math(big_exact, "0"), 0.0)
@@ -346,4 +360,34 @@ fn grading_speed() {
     println!("MATH grading: {per_second:.0} answers/s (math-verify: ~1000/s)");
     // A debug build on a shared 2-core machine; release is ~10x faster.
     assert!(per_second > 1000.0, "{per_second:.0} answers/s");
+}
+
+#[test]
+fn the_deepest_accepted_answers_fit_a_small_thread_stack() {
+    // Just inside the nesting bound, every construct at once, graded on a 1 MiB stack (a
+    // debug build; worker threads get 2 MiB by default).
+    let depth = 19;
+    let nested = [
+        format!("{}1{}", "\\frac{".repeat(depth), "}{2}".repeat(depth)),
+        format!("{}1{}", "\\sqrt{".repeat(depth), "}".repeat(depth)),
+        format!("{}x{}", "(".repeat(depth), ")".repeat(depth)),
+        format!("{}2{}", "2^{".repeat(depth), "}".repeat(depth)),
+        format!("{}1{}", "\\{".repeat(depth), "\\}".repeat(depth)),
+        format!("{}1", "1=".repeat(depth)),
+        format!("{}1", "1/".repeat(depth)),
+        format!("3{}", "!".repeat(depth)),
+    ];
+    let handle = std::thread::Builder::new()
+        .stack_size(1 << 20)
+        .spawn(move || {
+            for a in &nested {
+                let boxed = format!("\\boxed{{{a}}}");
+                let _ = math(&boxed, a);
+                let _ = math(&boxed, "1");
+                let _ = explain("math", &boxed, a);
+                assert!(parse_answer(a).is_ok(), "{a}");
+            }
+        })
+        .unwrap();
+    handle.join().unwrap();
 }

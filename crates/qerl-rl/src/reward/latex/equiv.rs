@@ -144,9 +144,17 @@ fn equiv(p: &Expr, g: &Expr, r: &mut &'static str) -> bool {
     }
 }
 
-/// A lone variable (`x`, `a_1`, `\theta`) on the left of an `=`.
+/// What names the unknown on the left of an `=`: a lone variable (`x`, `a_1`, `\theta`) or
+/// function notation (`f(x)`, `p(t)`).
 fn is_name(e: &Expr) -> bool {
-    matches!(e, Expr::Var(_))
+    match e {
+        Expr::Var(_) => true,
+        Expr::Mul(xs) => matches!(
+            xs.as_slice(),
+            [Expr::Var(f), Expr::Var(_)] if matches!(f.as_str(), "f" | "g" | "h" | "p" | "q" | "P" | "Q")
+        ),
+        _ => false,
+    }
 }
 
 fn infinity_sign(e: &Expr) -> Option<i8> {

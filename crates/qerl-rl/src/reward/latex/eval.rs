@@ -26,7 +26,8 @@ const MAX_EXPONENT: i128 = 4096;
 
 impl Ratio {
     pub(crate) fn new(num: i128, den: i128) -> Option<Self> {
-        if den == 0 {
+        // `i128::MIN` has no absolute value: refusing it keeps `gcd` and `%` panic-free.
+        if den == 0 || num == i128::MIN || den == i128::MIN {
             return None;
         }
         let g = gcd(num, den).max(1);
@@ -90,10 +91,17 @@ impl Ratio {
         if e.abs() > MAX_EXPONENT {
             return None;
         }
-        let base = if e < 0 { self.recip()? } else { self };
+        let mut base = if e < 0 { self.recip()? } else { self };
+        let mut e = e.unsigned_abs();
         let mut out = Self::int(1);
-        for _ in 0..e.abs() {
-            out = out.mul(base)?;
+        while e > 0 {
+            if e & 1 == 1 {
+                out = out.mul(base)?;
+            }
+            e >>= 1;
+            if e > 0 {
+                base = base.mul(base)?;
+            }
         }
         Some(out)
     }

@@ -73,6 +73,13 @@ impl Parser {
 
     /// The whole answer: a list, with nothing left over.
     pub(crate) fn answer(&mut self) -> Result<Expr, ParseError> {
+        // `x \in [2, 5)`: the set is the answer.
+        if matches!(
+            (self.peek(), self.peek_at(1)),
+            (Some(Tok::Word(w)), Some(Tok::Cmd(c))) if w.len() == 1 && c == "in"
+        ) {
+            self.pos += 2;
+        }
         let items = self.list_items()?;
         if self.pos < self.toks.len() {
             return Err(unexpected(self.peek()));
@@ -140,7 +147,9 @@ impl Parser {
 
     fn relation(&mut self) -> Result<Expr, ParseError> {
         let mut lhs = self.sum()?;
+        let mut wraps = 0;
         while let Some(op) = self.relation_op() {
+            self.wrap(&mut wraps)?;
             let rhs = self.sum()?;
             lhs = Expr::Relation {
                 op,
@@ -148,6 +157,7 @@ impl Parser {
                 rhs: Box::new(rhs),
             };
         }
+        self.depth -= wraps;
         Ok(lhs)
     }
 
@@ -210,10 +220,12 @@ impl Parser {
 
     fn product(&mut self) -> Result<Expr, ParseError> {
         let mut factors = vec![self.power()?];
+        let mut wraps = 0;
         loop {
             if self.eat('*') {
                 factors.push(self.signed_factor()?);
             } else if self.eat('/') {
+                self.wrap(&mut wraps)?;
                 let den = self.signed_factor()?;
                 let num = factors.pop().unwrap_or(Expr::Num("1".into()));
                 factors.push(Expr::Div(Box::new(num), Box::new(den)));
@@ -228,6 +240,7 @@ impl Parser {
                 break;
             }
         }
+        self.depth -= wraps;
         Ok(if factors.len() == 1 {
             factors.pop().unwrap_or(Expr::Num("1".into()))
         } else {
@@ -282,6 +295,13 @@ impl Parser {
         }
     }
 
+    /// One more level of a left-nested chain (`a = b = c`, `a^b^c`, `a/b/c`, `n!!`): chains
+    /// deepen the tree as brackets do, so they count against the same bound.
+    fn wrap(&mut self, wraps: &mut usize) -> Result<(), ParseError> {
+        *wraps += 1;
+        self.enter()
+    }
+
     pub(super) fn enter(&mut self) -> Result<(), ParseError> {
         self.depth += 1;
         if self.depth > MAX_DEPTH {
@@ -294,16 +314,20 @@ impl Parser {
     /// A primary with its exponent and postfix operators.
     pub(super) fn power(&mut self) -> Result<Expr, ParseError> {
         let mut base = self.primary()?;
+        let mut wraps = 0;
         loop {
             if self.eat('^') {
+                self.wrap(&mut wraps)?;
                 if let Some(exp) = self.exponent()? {
                     base = Expr::Pow(Box::new(base), Box::new(exp));
                 }
             } else if self.eat('!') {
+                self.wrap(&mut wraps)?;
                 base = Expr::Call(Func::Factorial, vec![base]);
             } else if self.eat('%') || self.eat('\'') {
                 // Percent: the number as written (`10\%` answers "10"). Primes: ignored.
             } else {
+                self.depth -= wraps;
                 return Ok(base);
             }
         }
