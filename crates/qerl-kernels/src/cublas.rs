@@ -6,10 +6,19 @@
 //! product to cuBLAS wins. libcublas is loaded at run time (cudarc's dynamic loading, the same
 //! way cubecl-cuda loads the driver and NVRTC); without it this path reports itself unavailable.
 //!
-//! cubecl does not expose its CUDA stream, so the two sides are ordered through the host: wait
-//! for cubecl's queue, run the GEMMs on our stream (same primary context, same device memory),
-//! wait for them. The autotuner times these syncs as part of the strategy, so it is picked only
-//! where it still wins.
+//! cubecl does not expose its CUDA stream, so the two sides are ordered through the host, in
+//! this order ([`run`]):
+//! 1. take every buffer's device pointer (`get_resource`), which holds its memory and, for a
+//!    buffer last used on another cubecl stream (another host thread's `StreamId`), queues a wait
+//!    for that stream on the caller's;
+//! 2. wait for the caller's cubecl stream, which now covers those waits too (a sync taken
+//!    before step 1, as this module first did, left another thread's producer unwaited);
+//! 3. run the GEMMs on our stream (same primary context, same device memory) under the
+//!    device's lock (one cuBLAS handle and stream serve every thread) and wait for them, also
+//!    when a launch fails, before any pointer is released to cubecl's pool.
+//!
+//! The autotuner times these syncs as part of the strategy, so it is picked only where it still
+//! wins.
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
@@ -69,10 +78,14 @@ pub(crate) struct Gemm<'a> {
     pub beta: f32,
 }
 
+/// cuBLAS on one device. The handle and its stream are shared by every host thread (and by the
+/// autotuner, which runs candidates on cubecl's device thread), so `blas` is locked from the
+/// first launch until the stream has been waited for: a cuBLAS handle must not be used by two
+/// threads at once, and a thread must not return while another's GEMM on its buffers is queued.
 struct DeviceBlas {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    blas: Mutex<CudaBlas>,
 }
 
 fn device_blas(ordinal: usize) -> Result<Arc<DeviceBlas>, KernelError> {
@@ -90,7 +103,11 @@ fn device_blas(ordinal: usize) -> Result<Arc<DeviceBlas>, KernelError> {
         .new_stream()
         .map_err(|e| err(format!("CUDA stream: {e:?}")))?;
     let blas = CudaBlas::new(stream.clone()).map_err(|e| err(format!("cublasCreate: {e:?}")))?;
-    let d = Arc::new(DeviceBlas { ctx, stream, blas });
+    let d = Arc::new(DeviceBlas {
+        ctx,
+        stream,
+        blas: Mutex::new(blas),
+    });
     all.insert(ordinal, d.clone());
     Ok(d)
 }
@@ -102,14 +119,14 @@ fn elem_bytes(t: sys::cudaDataType) -> usize {
     }
 }
 
-/// Runs `gemms` in order after everything queued on `client` so far; returns when they are done.
+/// Runs `gemms` in order after everything queued on `client` so far (on any cubecl stream, for
+/// the buffers they touch); returns when they are done. See the module doc for the order.
 pub(crate) fn run<R: Runtime>(
     client: &ComputeClient<R>,
     gemms: &[Gemm<'_>],
 ) -> Result<(), KernelError> {
     let client = cuda_client(client).ok_or_else(|| err("cuBLAS needs the CUDA runtime"))?;
-    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
-    // Keep every resource (and so its memory) alive until our stream is done.
+    // 1. Pointers, each with the guard that keeps its memory out of the pool until we are done.
     let mut held = Vec::new();
     let mut ptr = |h: &Handle, need: usize, what: &str| -> Result<u64, KernelError> {
         let r = client
@@ -138,6 +155,8 @@ pub(crate) fn run<R: Runtime>(
     let Some(&(first, _, _)) = launches.first() else {
         return Ok(());
     };
+    // 2. Everything that writes or last read these buffers has finished on the device.
+    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
     let mut ordinal: i32 = 0;
     // SAFETY: `first` is a live device allocation of cubecl's (held above); the attribute is an int.
     unsafe {
@@ -153,24 +172,47 @@ pub(crate) fn run<R: Runtime>(
     dev.ctx
         .bind_to_thread()
         .map_err(|e| err(format!("CUDA context: {e:?}")))?;
-    let op = |t: bool| {
-        if t {
-            sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
-    for (g, &(a, b, c)) in gemms.iter().zip(&launches) {
+    // 3. No cubecl call from here on: the device thread may need this lock (a tuning pass runs
+    // the cuBLAS candidate there).
+    let blas = dev.blas.lock().map_err(|_| err("cuBLAS handle poisoned"))?;
+    let launched = launch_all(&blas, gemms, &launches);
+    let waited = dev
+        .stream
+        .synchronize()
+        .map_err(|e| err(format!("cuBLAS stream: {e:?}")));
+    drop(blas);
+    // Only now may the pool hand these buffers to the next reservation.
+    drop(held);
+    launched.and(waited)
+}
+
+fn op(transposed: bool) -> sys::cublasOperation_t {
+    if transposed {
+        sys::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        sys::cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
+/// Queues the GEMMs on the handle's stream; stops at the first failure (the caller still waits
+/// for the ones already queued).
+fn launch_all(
+    blas: &CudaBlas,
+    gemms: &[Gemm<'_>],
+    pointers: &[(u64, u64, u64)],
+) -> Result<(), KernelError> {
+    for (g, &(a, b, c)) in gemms.iter().zip(pointers) {
         let s = g.shape;
         let dims = [s.m, s.n, s.k, s.lda, s.ldb, s.ldc];
         if dims.iter().any(|&d| d == 0 || d > i32::MAX as usize) {
             return Err(err(format!("cuBLAS dimensions out of range: {dims:?}")));
         }
-        // SAFETY: the pointers are live cubecl allocations of the checked sizes; alpha and beta
-        // are host f32 (the handle's default pointer mode) matching CUBLAS_COMPUTE_32F.
+        // SAFETY: the pointers are live cubecl allocations of the checked sizes, held by the
+        // caller until the stream has been waited for; alpha and beta are host f32 (the handle's
+        // default pointer mode) matching CUBLAS_COMPUTE_32F.
         unsafe {
             blas::gemm_ex(
-                *dev.blas.handle(),
+                *blas.handle(),
                 op(s.trans_a),
                 op(s.trans_b),
                 s.m as i32,
@@ -193,10 +235,6 @@ pub(crate) fn run<R: Runtime>(
             .map_err(|e| err(format!("cublasGemmEx {}x{}x{}: {e:?}", s.m, s.n, s.k)))?;
         }
     }
-    dev.stream
-        .synchronize()
-        .map_err(|e| err(format!("cuBLAS stream: {e:?}")))?;
-    drop(held);
     Ok(())
 }
 

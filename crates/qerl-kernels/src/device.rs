@@ -13,6 +13,10 @@ pub enum KernelError {
     /// The vendor library (cuBLAS) failed or could not be reached.
     #[error("cuBLAS: {what}")]
     Vendor { what: String },
+    /// The device reported a failure of work queued before this call (a launch or an
+    /// allocation that did not happen, so its output was never written).
+    #[error("{kernel}: earlier work on the device failed: {what}")]
+    Device { kernel: &'static str, what: String },
 }
 
 /// Fails unless `h` holds at least `bytes` bytes.

@@ -5,8 +5,20 @@
 //! ([`crate::cublas`]). The first product of a key times every candidate (a few runs each) and
 //! the choice is kept in CubeCL's tuning cache on disk (`target/autotune/` under the nearest
 //! directory with a `Cargo.toml`, else `~/.cache/cubecl`), so later processes start tuned.
+//!
+//! Two rules keep a tuning pass from touching the training step it interrupts:
+//! * candidates are timed into a scratch output of the product's size, never into the caller's
+//!   `y` (CubeCL's tuner replays the inputs its generator returns about 13 times per
+//!   candidate; with a plain clone those were the live training buffers), so the live output is
+//!   written once, by the chosen candidate, after tuning;
+//! * the first product of a key in a process first asks the device for errors of earlier work
+//!   ([`surface_earlier_errors`]): CubeCL's warm-up flushes the stream's error list and drops it,
+//!   and the cuBLAS candidate's sync takes it as its own failure, so a launch or allocation that
+//!   failed just before would otherwise leave its output unwritten with nobody told.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -156,6 +168,17 @@ pub(crate) struct Product<R: Runtime> {
     pub transposed: bool,
 }
 
+impl<R: Runtime> Product<R> {
+    /// The same product writing into a fresh buffer of `y`'s size: what the tuner times, so that
+    /// its replays never write a buffer the caller (or anything else) holds.
+    fn with_scratch_output(&self) -> Product<R> {
+        Product {
+            y: self.client.empty(self.y.size() as usize),
+            ..self.clone()
+        }
+    }
+}
+
 fn key<R: Runtime, F: Float>(p: &Product<R>) -> ProductKey {
     ProductKey::new(
         p.m,
@@ -220,18 +243,41 @@ pub(crate) fn run<R: Runtime, F: Float>(p: Product<R>) -> Result<(), KernelError
             Ok(())
         }
         Strategy::Cublas => cublas::<R, F>(&p),
-        Strategy::Tuned => {
-            tuned::<R, F>(p);
-            Ok(())
-        }
+        Strategy::Tuned => tuned::<R, F>(p),
     }
 }
 
-fn tuned<R: Runtime, F: Float>(p: Product<R>) {
+/// Before the first product of `key` in this process (the call that may start a tuning pass),
+/// waits for the device to take everything queued so far and returns the errors it recorded
+/// for that work, if any. See the module doc for why a tuning pass would otherwise lose them.
+fn surface_earlier_errors<R: Runtime>(
+    client: &ComputeClient<R>,
+    key: &ProductKey,
+) -> Result<(), KernelError> {
+    static SEEN: OnceLock<Mutex<HashSet<ProductKey>>> = OnceLock::new();
+    let first = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .map(|mut seen| seen.insert(key.clone()))
+        // A poisoned set only costs one more check.
+        .unwrap_or(true);
+    if !first {
+        return Ok(());
+    }
+    client.flush().map_err(|e| KernelError::Device {
+        kernel: "matmul",
+        what: format!("{e:?}"),
+    })
+}
+
+fn tuned<R: Runtime, F: Float>(p: Product<R>) -> Result<(), KernelError> {
     static TUNER: LocalTuner<ProductKey, String> = local_tuner!("product");
+    surface_earlier_errors(&p.client, &key::<R, F>(&p))?;
     let vendor = cublas_usable::<R, F>(&p.client);
     let set = TUNER.init(move || {
-        let mut set = TunableSet::new(key::<R, F>, |_: &ProductKey, p: &Product<R>| p.clone());
+        let mut set = TunableSet::new(key::<R, F>, |_: &ProductKey, p: &Product<R>| {
+            p.with_scratch_output()
+        });
         for t in TileConfig::ALL {
             set = set.with(Tunable::new(t.name(), move |p: Product<R>| {
                 tensor_cores::<R, F>(&p, Some(t.tiles()));
@@ -249,6 +295,7 @@ fn tuned<R: Runtime, F: Float>(p: Product<R>) {
     let client = p.client.clone();
     let id = R::name(&client).to_string();
     TUNER.execute(&id, &client, set, p);
+    Ok(())
 }
 
 #[cfg(test)]
