@@ -532,3 +532,47 @@ pub fn matmul_transposed<R: Runtime, F: Float>(
     }
     Ok(())
 }
+
+/// `Y[M, n] = X[M, K] · D[n, K]ᵀ (+ bias[n]) (+ s · T·Bᵀ)` with a dense row-major `D` in `F`
+/// and the output in `O`, on the tensor-core kernel (with split-K where the output is small):
+/// the lm_head and the frozen weights of a BF16 model when many rows are decoded.
+/// Returns `Ok(false)`, launching nothing, where that kernel does not apply (no tensor cores
+/// for `F`, or `K` not a multiple of its stage); the caller then uses a portable product.
+#[allow(clippy::too_many_arguments)]
+pub fn dense_matmul<R: Runtime, F: Float, O: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    d: &Handle,
+    n: usize,
+    k: usize,
+    bias: Option<&Handle>,
+    lora: Option<LoraEpilogue<'_>>,
+    y: &Handle,
+) -> Result<bool, KernelError> {
+    if m == 0 {
+        return Err(shape_err("dense_matmul", "M = 0".into()));
+    }
+    check_buffer("dense_matmul", "x", x, bytes_of::<F>(m * k))?;
+    check_buffer("dense_matmul", "D", d, bytes_of::<F>(n * k))?;
+    check_buffer("dense_matmul", "y", y, m * n * std::mem::size_of::<O>())?;
+    if let Some(b) = bias {
+        check_buffer("dense_matmul", "bias", b, bytes_of::<F>(n))?;
+    }
+    if let Some(l) = &lora {
+        check_buffer("dense_matmul", "LoRA T", l.t, bytes_of::<f32>(m * l.rank))?;
+        check_buffer("dense_matmul", "LoRA B", l.b, bytes_of::<F>(n * l.rank))?;
+    }
+    if !(TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
+        && crate::gemm_tc::applies::<R, F>(client, k))
+    {
+        return Ok(false);
+    }
+    let product = TcProduct::Dense { d, n, k };
+    let epilogue = TcEpilogue {
+        bias: bias.cloned(),
+        lora: lora.map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale)),
+    };
+    crate::gemm_tc::launch::<R, F, O>(client, x, m, product, epilogue, y, None);
+    Ok(true)
+}

@@ -1,0 +1,285 @@
+//! One pass of the decoder over a flat batch of rows, each row one token of some sequence:
+//! `(token, slot, position)`. Decode steps pass one row per slot; prefill passes every prompt
+//! token (a long prompt may span several passes: its later rows read the keys the earlier ones
+//! cached). Everything stays on the device; the host only enqueues launches.
+//!
+//! Per layer: add + RMSNorm, the q/k/v LoRA down-projections in one launch, the three products
+//! with bias and LoRA in their epilogues, RoPE + KV write, attention, the o product, add +
+//! RMSNorm, gate/up LoRA downs in one launch, the two products, SiLU·mul, the down product
+//! (its residual add is fused into the next norm).
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use qerl_kernels::gemm::{self, LoraEpilogue};
+
+use crate::kernels::act::silu_mul;
+use crate::kernels::attention::{attention, AttentionShape};
+use crate::kernels::dense::{self, dense, DenseEpilogue};
+use crate::kernels::norm::{add_rms_norm, embed};
+use crate::kernels::rope::{rope_kv, RopeShape};
+use crate::weights::{EngineWeights, Frozen, Linear};
+use crate::EngineError;
+
+/// Activation buffers for up to `rows` rows, allocated once per engine.
+#[derive(Debug)]
+pub(crate) struct Workspace {
+    pub rows: usize,
+    pub h: Handle,
+    pub d: Handle,
+    pub xn: Handle,
+    pub q: Handle,
+    pub k: Handle,
+    pub v: Handle,
+    pub attn: Handle,
+    pub gate: Handle,
+    pub up: Handle,
+    pub act: Handle,
+    /// LoRA `T = X·Aᵀ` of up to three adapters sharing an input, `[rows, rank]` f32 each.
+    pub t: [Handle; 3],
+    /// Final-norm output of the rows that get logits, `[logit_rows, hidden]`.
+    pub xf: Handle,
+    /// `[logit_rows, vocab]` f32.
+    pub logits: Handle,
+    pub logit_rows: usize,
+}
+
+impl Workspace {
+    pub fn new<R: Runtime, F: Float>(
+        client: &ComputeClient<R>,
+        w: &EngineWeights,
+        rows: usize,
+        logit_rows: usize,
+    ) -> Self {
+        let s = &w.shape;
+        let e = std::mem::size_of::<F>();
+        let buf = |len: usize| client.empty(len.max(1) * e);
+        let rank = w.max_rank().max(1);
+        Workspace {
+            rows,
+            h: buf(rows * s.hidden),
+            d: buf(rows * s.hidden),
+            xn: buf(rows * s.hidden.max(s.q_dim()).max(s.intermediate)),
+            q: buf(rows * s.q_dim()),
+            k: buf(rows * s.kv_dim()),
+            v: buf(rows * s.kv_dim()),
+            attn: buf(rows * s.q_dim()),
+            gate: buf(rows * s.intermediate),
+            up: buf(rows * s.intermediate),
+            act: buf(rows * s.intermediate),
+            t: [0, 1, 2].map(|_| client.empty(rows * rank * 4)),
+            xf: buf(logit_rows * s.hidden),
+            logits: client.empty(logit_rows * s.vocab * 4),
+            logit_rows,
+        }
+    }
+}
+
+/// The caches of every layer: keys and values `[slots, kv_heads, capacity, head_dim]`.
+#[derive(Debug)]
+pub(crate) struct KvCache {
+    pub layers: Vec<(Handle, Handle)>,
+    pub slots: usize,
+    pub capacity: usize,
+}
+
+/// Inputs of one pass: `rows` rows with their token, slot and position (device `u32`s), and
+/// the rows whose logits are wanted (`logit_index`, `logit_count` ids into the rows).
+pub(crate) struct Pass<'a> {
+    pub rows: usize,
+    pub tokens: &'a Handle,
+    pub slot: &'a Handle,
+    pub pos: &'a Handle,
+    pub logit_index: &'a Handle,
+    pub logit_count: usize,
+}
+
+/// Enqueues one pass; the logits of the selected rows land in `ws.logits`.
+pub(crate) fn forward<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    w: &EngineWeights,
+    cos_sin: &(Handle, Handle),
+    kv: &KvCache,
+    ws: &Workspace,
+    p: &Pass<'_>,
+) -> Result<(), EngineError> {
+    let s = &w.shape;
+    let m = p.rows;
+    debug_assert!(m <= ws.rows && p.logit_count <= ws.logit_rows);
+    embed::<R, F>(client, &w.embed, s.vocab, p.tokens, m, s.hidden, &ws.h);
+    let rope = RopeShape {
+        rows: m,
+        q_heads: s.q_heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        capacity: kv.capacity,
+        slots: kv.slots,
+        max_positions: s.max_positions,
+    };
+    let att = AttentionShape {
+        rows: m,
+        q_heads: s.q_heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        capacity: kv.capacity,
+        slots: kv.slots,
+    };
+    for (l, layer) in w.layers.iter().enumerate() {
+        let residual = (l > 0).then_some(&ws.d);
+        add_rms_norm::<R, F>(
+            client,
+            &ws.h,
+            m,
+            residual,
+            &layer.attn_norm,
+            None,
+            m,
+            s.hidden,
+            s.rms_eps,
+            &ws.xn,
+        );
+        linears::<R, F>(
+            client,
+            &ws.xn,
+            m,
+            &[&layer.q, &layer.k, &layer.v],
+            &[&ws.q, &ws.k, &ws.v],
+            &ws.t,
+        )?;
+        let (k_cache, v_cache) = &kv.layers[l];
+        rope_kv::<R, F>(
+            client, rope, &ws.q, &ws.k, &ws.v, p.slot, p.pos, &cos_sin.0, &cos_sin.1, k_cache,
+            v_cache,
+        );
+        attention::<R, F>(
+            client, att, &ws.q, k_cache, v_cache, p.slot, p.pos, &ws.attn,
+        );
+        linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.t)?;
+        add_rms_norm::<R, F>(
+            client,
+            &ws.h,
+            m,
+            Some(&ws.d),
+            &layer.mlp_norm,
+            None,
+            m,
+            s.hidden,
+            s.rms_eps,
+            &ws.xn,
+        );
+        linears::<R, F>(
+            client,
+            &ws.xn,
+            m,
+            &[&layer.gate, &layer.up],
+            &[&ws.gate, &ws.up],
+            &ws.t,
+        )?;
+        silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
+        linears::<R, F>(client, &ws.act, m, &[&layer.down], &[&ws.d], &ws.t)?;
+    }
+    let n = p.logit_count;
+    if n == 0 {
+        // A prefill pass that ends no prompt: its rows only fill the cache.
+        return Ok(());
+    }
+    add_rms_norm::<R, F>(
+        client,
+        &ws.h,
+        m,
+        (!w.layers.is_empty()).then_some(&ws.d),
+        &w.final_norm,
+        Some(p.logit_index),
+        n,
+        s.hidden,
+        s.rms_eps,
+        &ws.xf,
+    );
+    product::<R, F, f32>(
+        client,
+        &ws.xf,
+        n,
+        w.lm_head(),
+        s.vocab,
+        s.hidden,
+        DenseEpilogue::default(),
+        &ws.logits,
+    )
+}
+
+/// Linears that share the input `x [m, k]`: their LoRA down-projections (one launch for up to
+/// three adapters of equal rank when few rows), then each product with bias and LoRA in its
+/// epilogue.
+fn linears<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    layers: &[&Linear],
+    outputs: &[&Handle],
+    t: &[Handle; 3],
+) -> Result<(), EngineError> {
+    let k = layers[0].k;
+    let adapters: Vec<_> = layers.iter().filter_map(|l| l.lora.as_ref()).collect();
+    let same_rank = adapters.windows(2).all(|p| p[0].rank == p[1].rank);
+    if adapters.len() == layers.len() && same_rank && m <= dense::MAX_ROWS {
+        let a: Vec<&Handle> = adapters.iter().map(|a| &a.a).collect();
+        let out: Vec<&Handle> = t.iter().take(a.len()).collect();
+        dense::<R, F, f32>(
+            client,
+            x,
+            m,
+            &a,
+            adapters[0].rank,
+            k,
+            Default::default(),
+            &out,
+        );
+    } else {
+        for (i, a) in layers.iter().enumerate() {
+            if let Some(a) = &a.lora {
+                gemm::lora_down::<R, F>(client, x, &a.a, &t[i], m, k, a.rank)?;
+            }
+        }
+    }
+    for ((i, l), y) in layers.iter().enumerate().zip(outputs) {
+        let lora = l.lora.as_ref().map(|a| (&t[i], &a.b, a.rank, a.scale));
+        match &l.weight {
+            Frozen::Quant(wq) => {
+                let lora = lora.map(|(t, b, rank, scale)| LoraEpilogue { t, b, rank, scale });
+                gemm::matmul::<R, F>(client, x, m, wq, l.bias.as_ref(), lora, y)?;
+            }
+            Frozen::Dense(d) => {
+                let epilogue = DenseEpilogue {
+                    bias: l.bias.as_ref(),
+                    lora,
+                };
+                product::<R, F, F>(client, x, m, d, l.n, l.k, epilogue, y)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A dense product: the tensor-core kernel for many rows where it applies, the engine's
+/// memory-bound kernel otherwise.
+#[allow(clippy::too_many_arguments)]
+fn product<R: Runtime, F: Float, O: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    d: &Handle,
+    n: usize,
+    k: usize,
+    epilogue: DenseEpilogue<'_>,
+    y: &Handle,
+) -> Result<(), EngineError> {
+    if m > dense::MAX_ROWS {
+        let lora = epilogue
+            .lora
+            .map(|(t, b, rank, scale)| LoraEpilogue { t, b, rank, scale });
+        if gemm::dense_matmul::<R, F, O>(client, x, m, d, n, k, epilogue.bias, lora, y)? {
+            return Ok(());
+        }
+    }
+    dense::<R, F, O>(client, x, m, &[d], n, k, epilogue, &[y]);
+    Ok(())
+}

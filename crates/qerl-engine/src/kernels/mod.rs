@@ -1,0 +1,36 @@
+//! The engine's own kernels (the 4-bit products come from `qerl_kernels::gemm`).
+//!
+//! Every kernel takes `Array` arguments and scalars only (no per-launch metadata upload on
+//! CUDA), launches a static grid, and reduces in shared memory, so the same code runs on CUDA
+//! and on wgpu (lavapipe, which has no plane operations) for the tests.
+
+pub mod act;
+pub mod attention;
+pub mod dense;
+pub mod fill;
+pub mod norm;
+pub mod rope;
+pub mod sample;
+
+use cubecl::prelude::*;
+
+/// Units per cube of the row kernels (a power of two for the tree reductions).
+pub const ROW_CUBE: u32 = 256;
+
+/// Most cubes along one grid dimension that every runtime accepts.
+const MAX_GRID_DIM: u32 = 65_535;
+
+/// A grid of `cubes` cubes over x and y (no dimension above 65535); kernels recover the
+/// linear index with [`row_of_cube`].
+pub(crate) fn grid_rows(cubes: usize) -> CubeCount {
+    let cubes = cubes.max(1) as u32;
+    let x = cubes.min(MAX_GRID_DIM);
+    CubeCount::Static(x, cubes.div_ceil(x), 1)
+}
+
+/// Linear index of this cube in a [`grid_rows`] grid (may exceed the requested count on the
+/// last row of the grid: kernels bound it).
+#[cube]
+pub(crate) fn row_of_cube() -> usize {
+    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}

@@ -1,0 +1,175 @@
+//! Row kernels at the edges of a decoder layer: the embedding gather, and the residual add
+//! fused with RMSNorm.
+//!
+//! One cube per row, reducing in shared memory (no plane ops, so the same kernel runs on
+//! lavapipe). Activations are `F` (bf16 on CUDA); the norm's gain is f32 (the RMSNorm weight
+//! plus the AQN vector, summed once per optimizer step on the host side of the engine).
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+use super::{grid_rows, row_of_cube, ROW_CUBE};
+
+/// Tree sum of `partial[0..ROW_CUBE]` into `partial[0]`; every unit of the cube calls it.
+#[cube]
+pub(crate) fn cube_sum(partial: &mut SharedMemory<f32>) {
+    let t = UNIT_POS_X as usize;
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if t < stride {
+            partial[t] += partial[t + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+}
+
+/// `h[i] (+ d[i])` rounded to `F`, in f32: the residual stream after the add.
+#[cube]
+fn summed<F: Float>(h: &Array<F>, d: &Array<F>, i: usize, #[comptime] add: bool) -> f32 {
+    let mut v = h[i];
+    if add {
+        v = F::cast_from(f32::cast_from(v) + f32::cast_from(d[i]));
+    }
+    f32::cast_from(v)
+}
+
+/// `h[r, :] = table[tokens[r], :]`.
+#[cube(launch_unchecked)]
+fn embed_kernel<F: Float>(
+    table: &Array<F>,
+    tokens: &Array<u32>,
+    h: &mut Array<F>,
+    rows: u32,
+    hidden: u32,
+) {
+    let r = row_of_cube();
+    if r < rows as usize {
+        let hidden = hidden as usize;
+        let src = tokens[r] as usize * hidden;
+        let mut c = UNIT_POS_X as usize;
+        while c < hidden {
+            h[r * hidden + c] = table[src + c];
+            c += CUBE_DIM_X as usize;
+        }
+    }
+}
+
+/// For output row `i` and its source row `s = index[i]` (or `i` without `gather`):
+/// `x = h[s] + d[s]` when `add` (rounded to `F`; written back to `h[s]` as the layer's residual,
+/// except when gathering: a source row may be gathered several times, and the final norm's
+/// residual is not needed afterwards), then `y[i] = x / sqrt(mean(x²) + eps) ⊙ gain`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn add_rms_norm_kernel<F: Float>(
+    h: &mut Array<F>,
+    d: &Array<F>,
+    gain: &Array<f32>,
+    index: &Array<u32>,
+    y: &mut Array<F>,
+    rows: u32,
+    dim: u32,
+    eps: f32,
+    #[comptime] add: bool,
+    #[comptime] gather: bool,
+) {
+    let mut partial = SharedMemory::<f32>::new(ROW_CUBE as usize);
+    let i = row_of_cube();
+    // The whole cube takes the same branch, so the barriers inside are uniform.
+    if i < rows as usize {
+        let dim = dim as usize;
+        let mut s = i;
+        if gather {
+            s = index[i] as usize;
+        }
+        let t = UNIT_POS_X as usize;
+        let step = CUBE_DIM_X as usize;
+        let mut sq = 0.0f32;
+        let mut c = t;
+        while c < dim {
+            let e = summed(h, d, s * dim + c, add);
+            if add && !gather {
+                h[s * dim + c] = F::cast_from(e);
+            }
+            sq += e * e;
+            c += step;
+        }
+        partial[t] = sq;
+        sync_cube();
+        cube_sum(&mut partial);
+        let r = 1.0f32 / f32::sqrt(partial[0] / dim as f32 + eps);
+        let mut c = t;
+        while c < dim {
+            // Written back above unless gathering: then the sum is taken again.
+            let e = summed(h, d, s * dim + c, add && gather);
+            y[i * dim + c] = F::cast_from(e * r * gain[c]);
+            c += step;
+        }
+    }
+}
+
+/// `h [rows, hidden] = table[tokens]`: the embedding lookup.
+pub fn embed<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    table: &Handle,
+    vocab: usize,
+    tokens: &Handle,
+    rows: usize,
+    hidden: usize,
+    h: &Handle,
+) {
+    // SAFETY: the engine sizes every buffer from the model shape and `rows`; token ids are
+    // checked against the vocabulary on the host before they are uploaded, and sampled ids
+    // are below `vocab` by construction.
+    unsafe {
+        embed_kernel::launch_unchecked::<F, R>(
+            client,
+            grid_rows(rows),
+            CubeDim::new_1d(ROW_CUBE),
+            ArrayArg::from_raw_parts(table.clone(), vocab * hidden),
+            ArrayArg::from_raw_parts(tokens.clone(), rows),
+            ArrayArg::from_raw_parts(h.clone(), rows * hidden),
+            rows as u32,
+            hidden as u32,
+        );
+    }
+}
+
+/// Residual add (when `d` is given) and RMSNorm of `rows` rows of `h [*, dim]` into
+/// `y [rows, dim]`; with `index`, output row `i` is source row `index[i]` (the last token of each
+/// prefilled prompt, before the lm_head).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    h: &Handle,
+    h_rows: usize,
+    d: Option<&Handle>,
+    gain: &Handle,
+    index: Option<&Handle>,
+    rows: usize,
+    dim: usize,
+    eps: f32,
+    y: &Handle,
+) {
+    let unused = gain.clone();
+    // SAFETY: `h` and `d` hold `h_rows * dim` elements, `y` `rows * dim`, `gain` `dim`, and
+    // `index` `rows` ids below `h_rows` (built by the engine).
+    unsafe {
+        add_rms_norm_kernel::launch_unchecked::<F, R>(
+            client,
+            grid_rows(rows),
+            CubeDim::new_1d(ROW_CUBE),
+            ArrayArg::from_raw_parts(h.clone(), h_rows * dim),
+            // Without `d` the gain stands in (never read: `add` is false).
+            ArrayArg::from_raw_parts(d.unwrap_or(gain).clone(), h_rows * dim),
+            ArrayArg::from_raw_parts(gain.clone(), dim),
+            ArrayArg::from_raw_parts(index.unwrap_or(&unused).clone(), rows.max(1)),
+            ArrayArg::from_raw_parts(y.clone(), rows * dim),
+            rows as u32,
+            dim as u32,
+            eps,
+            d.is_some(),
+            index.is_some(),
+        );
+    }
+}

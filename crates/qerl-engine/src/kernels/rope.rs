@@ -1,0 +1,216 @@
+//! RoPE on the new queries and keys, fused with the write of keys and values into the KV
+//! cache: one launch per layer for every row of the step.
+//!
+//! Rotate-half convention (Hugging Face): for `i < D/2`, with `c, s` the cosine and sine of
+//! `pos · inv_freq[i]` (host tables `[max_positions, D/2]`, built once, the same f32 values the
+//! burn model uses), `x'[i] = x[i]·c − x[i+D/2]·s` and `x'[i+D/2] = x[i+D/2]·c + x[i]·s`.
+//! Cache layout per layer: `[slots, kv_heads, capacity, D]`.
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+use super::{grid_rows, row_of_cube, ROW_CUBE};
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rope_kv_kernel<F: Float>(
+    q: &mut Array<F>,
+    k: &Array<F>,
+    v: &Array<F>,
+    slot: &Array<u32>,
+    pos: &Array<u32>,
+    cos: &Array<f32>,
+    sin: &Array<f32>,
+    k_cache: &mut Array<F>,
+    v_cache: &mut Array<F>,
+    rows: u32,
+    q_heads: u32,
+    kv_heads: u32,
+    capacity: u32,
+    #[comptime] head_dim: usize,
+) {
+    let r = row_of_cube();
+    if r < rows as usize {
+        let half = head_dim / 2;
+        let q_heads = q_heads as usize;
+        let kv_heads = kv_heads as usize;
+        let capacity = capacity as usize;
+        let p = pos[r] as usize;
+        let sl = slot[r] as usize;
+        let step = CUBE_DIM_X as usize;
+        // Queries, rotated in place.
+        let mut j = UNIT_POS_X as usize;
+        while j < q_heads * half {
+            let hd = j / half;
+            let i = j % half;
+            let base = (r * q_heads + hd) * head_dim;
+            let c = cos[p * half + i];
+            let s = sin[p * half + i];
+            let x1 = f32::cast_from(q[base + i]);
+            let x2 = f32::cast_from(q[base + i + half]);
+            q[base + i] = F::cast_from(x1 * c - x2 * s);
+            q[base + i + half] = F::cast_from(x2 * c + x1 * s);
+            j += step;
+        }
+        // Keys, rotated into the cache; values copied.
+        let mut j = UNIT_POS_X as usize;
+        while j < kv_heads * half {
+            let hd = j / half;
+            let i = j % half;
+            let src = (r * kv_heads + hd) * head_dim;
+            let dst = ((sl * kv_heads + hd) * capacity + p) * head_dim;
+            let c = cos[p * half + i];
+            let s = sin[p * half + i];
+            let x1 = f32::cast_from(k[src + i]);
+            let x2 = f32::cast_from(k[src + i + half]);
+            k_cache[dst + i] = F::cast_from(x1 * c - x2 * s);
+            k_cache[dst + i + half] = F::cast_from(x2 * c + x1 * s);
+            v_cache[dst + i] = v[src + i];
+            v_cache[dst + i + half] = v[src + i + half];
+            j += step;
+        }
+    }
+}
+
+/// Shapes of one [`rope_kv`] launch.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeShape {
+    pub rows: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Positions per slot in the cache.
+    pub capacity: usize,
+    pub slots: usize,
+    /// Rows of the cos/sin tables.
+    pub max_positions: usize,
+}
+
+/// Rotates `q [rows, q_heads·D]` in place and writes the rotated `k` and the `v`
+/// (`[rows, kv_heads·D]`) of every row into the cache at `(slot[r], pos[r])`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_kv<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    s: RopeShape,
+    q: &Handle,
+    k: &Handle,
+    v: &Handle,
+    slot: &Handle,
+    pos: &Handle,
+    cos: &Handle,
+    sin: &Handle,
+    k_cache: &Handle,
+    v_cache: &Handle,
+) {
+    let d = s.head_dim;
+    let cache = s.slots * s.kv_heads * s.capacity * d;
+    // SAFETY: buffers sized by the engine from these shapes; the engine keeps every position
+    // below both `capacity` and `max_positions`, and every slot below `slots`.
+    unsafe {
+        rope_kv_kernel::launch_unchecked::<F, R>(
+            client,
+            grid_rows(s.rows),
+            CubeDim::new_1d(ROW_CUBE),
+            ArrayArg::from_raw_parts(q.clone(), s.rows * s.q_heads * d),
+            ArrayArg::from_raw_parts(k.clone(), s.rows * s.kv_heads * d),
+            ArrayArg::from_raw_parts(v.clone(), s.rows * s.kv_heads * d),
+            ArrayArg::from_raw_parts(slot.clone(), s.rows),
+            ArrayArg::from_raw_parts(pos.clone(), s.rows),
+            ArrayArg::from_raw_parts(cos.clone(), s.max_positions * d / 2),
+            ArrayArg::from_raw_parts(sin.clone(), s.max_positions * d / 2),
+            ArrayArg::from_raw_parts(k_cache.clone(), cache),
+            ArrayArg::from_raw_parts(v_cache.clone(), cache),
+            s.rows as u32,
+            s.q_heads as u32,
+            s.kv_heads as u32,
+            s.capacity as u32,
+            d,
+        );
+    }
+}
+
+/// `(cos, sin)`, each `[max_positions, D/2]` f32, for frequencies `inv_freq`: the angle
+/// `pos · f` rounded to f32, its cosine and sine taken in f64 and rounded to f32 (as the burn
+/// model's tables).
+pub fn rope_tables(inv_freq: &[f32], max_positions: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
+    let mut cos = vec![0f32; max_positions * half];
+    let mut sin = vec![0f32; max_positions * half];
+    for p in 0..max_positions {
+        for (i, &f) in inv_freq.iter().enumerate() {
+            let angle = (p as f32 * f) as f64;
+            cos[p * half + i] = angle.cos() as f32;
+            sin[p * half + i] = angle.sin() as f32;
+        }
+    }
+    (cos, sin)
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn copy_prefix_kernel<F: Float>(
+    k_cache: &mut Array<F>,
+    v_cache: &mut Array<F>,
+    src: &Array<u32>,
+    dst: &Array<u32>,
+    len: &Array<u32>,
+    pairs: u32,
+    kv_heads: u32,
+    capacity: u32,
+    #[comptime] head_dim: usize,
+) {
+    // One cube per (pair, head); units over the prefix's positions x channels.
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let kv_heads = kv_heads as usize;
+    let p = cube / kv_heads;
+    let hd = cube % kv_heads;
+    if p < pairs as usize {
+        let capacity = capacity as usize;
+        let from = ((src[p] as usize * kv_heads + hd) * capacity) * head_dim;
+        let to = ((dst[p] as usize * kv_heads + hd) * capacity) * head_dim;
+        let n = len[p] as usize * head_dim;
+        let mut i = UNIT_POS_X as usize;
+        while i < n {
+            k_cache[to + i] = k_cache[from + i];
+            v_cache[to + i] = v_cache[from + i];
+            i += CUBE_DIM_X as usize;
+        }
+    }
+}
+
+/// Copies the first `len[p]` cached positions of slot `src[p]` to slot `dst[p]` in one layer's
+/// caches, for `pairs` pairs: a prompt prefilled once serves its other samples.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_prefix<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    k_cache: &Handle,
+    v_cache: &Handle,
+    slots: usize,
+    kv_heads: usize,
+    capacity: usize,
+    head_dim: usize,
+    src: &Handle,
+    dst: &Handle,
+    len: &Handle,
+    pairs: usize,
+) {
+    let cache = slots * kv_heads * capacity * head_dim;
+    // SAFETY: slots below `slots` and lengths at most `capacity` (the engine's), source and
+    // destination slots distinct.
+    unsafe {
+        copy_prefix_kernel::launch_unchecked::<F, R>(
+            client,
+            grid_rows(pairs * kv_heads),
+            CubeDim::new_1d(ROW_CUBE),
+            ArrayArg::from_raw_parts(k_cache.clone(), cache),
+            ArrayArg::from_raw_parts(v_cache.clone(), cache),
+            ArrayArg::from_raw_parts(src.clone(), pairs),
+            ArrayArg::from_raw_parts(dst.clone(), pairs),
+            ArrayArg::from_raw_parts(len.clone(), pairs),
+            pairs as u32,
+            kv_heads as u32,
+            capacity as u32,
+            head_dim,
+        );
+    }
+}
