@@ -27,11 +27,17 @@ mod gemv;
 pub mod rms_norm;
 mod splitk;
 mod tune;
+#[cfg(feature = "wgpu")]
+mod wgpu_probe;
 
 pub use device::{DeviceWeight, KernelError};
 
 /// Runtimes compiled into this build.
 pub mod runtime {
+    #[cfg(feature = "wgpu")]
+    pub use crate::wgpu_probe::{
+        wgpu_device, wgpu_device_or_exit, NoWgpuAdapter, LAVAPIPE_PACKAGE,
+    };
     #[cfg(feature = "cuda")]
     pub use cubecl::cuda::{CudaDevice, CudaRuntime};
     #[cfg(feature = "wgpu")]

@@ -913,7 +913,7 @@ macro_rules! suite {
 suite!(
     wgpu_f32,
     cubecl::wgpu::WgpuRuntime,
-    cubecl::wgpu::WgpuDevice::default(),
+    qerl_kernels::runtime::wgpu_device_or_exit(),
     f32,
     1e-5
 );
@@ -921,7 +921,7 @@ suite!(
 suite!(
     wgpu_f16,
     cubecl::wgpu::WgpuRuntime,
-    cubecl::wgpu::WgpuDevice::default(),
+    qerl_kernels::runtime::wgpu_device_or_exit(),
     half::f16,
     2e-3
 );
@@ -996,7 +996,7 @@ fn upload_refuses_input_dims_not_a_multiple_of_16() {
         SourceDtype::F32,
     )
     .unwrap();
-    let c = cubecl::wgpu::WgpuRuntime::client(&Default::default());
+    let c = cubecl::wgpu::WgpuRuntime::client(&qerl_kernels::runtime::wgpu_device_or_exit());
     let e = DeviceWeight::upload(&c, &w).unwrap_err().to_string();
     assert!(e.contains("[64, 8]") && e.contains("multiple of 16"), "{e}");
 }

@@ -198,7 +198,7 @@ mod wgpu {
     /// f32 on wgpu (lavapipe on a CPU machine): the qerl kernels and burn's cube kernels.
     #[test]
     fn logits_and_greedy_on_wgpu() {
-        let dev = Default::default();
+        let dev = qerl_nn::backends::wgpu_device_or_exit();
         for name in MODELS {
             let r = Reference::load(name);
             let m = model::<Wgpu>(&r, false, None, &dev);

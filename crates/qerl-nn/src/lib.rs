@@ -32,6 +32,10 @@ pub mod backends {
     /// wgpu (Vulkan, Metal, DX12; lavapipe on a CPU) with the qerl kernels, f32 activations.
     #[cfg(feature = "wgpu")]
     pub type Wgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+    /// The wgpu device, after checking that an adapter exists (one error naming the missing
+    /// driver instead of a panic inside cubecl).
+    #[cfg(feature = "wgpu")]
+    pub use qerl_kernels::runtime::{wgpu_device, wgpu_device_or_exit, NoWgpuAdapter};
     /// CUDA with the qerl kernels, bf16 activations.
     #[cfg(feature = "cuda")]
     pub type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;

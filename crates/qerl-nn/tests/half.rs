@@ -19,7 +19,7 @@ fn wgpu_f16_autodiff_and_plain_forwards_agree() {
     use burn::tensor::DType;
     type H = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, half::f16, i32, u32>;
     type A = Autodiff<H>;
-    let device = Default::default();
+    let device = qerl_nn::backends::wgpu_device_or_exit();
     let s = seed();
     let (n, k) = (48, 80);
     let w = normal(s, n * k, 0.05);

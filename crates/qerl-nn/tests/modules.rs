@@ -197,13 +197,19 @@ fn cpu_norm_gradients_match_reference() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_linear_gradients_match_dense_reference() {
-    linear_grads::<Autodiff<qerl_nn::backends::Wgpu>>(&Default::default(), 1e-4);
+    linear_grads::<Autodiff<qerl_nn::backends::Wgpu>>(
+        &qerl_nn::backends::wgpu_device_or_exit(),
+        1e-4,
+    );
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_norm_gradients_match_reference() {
-    norm_grads::<Autodiff<qerl_nn::backends::Wgpu>>(&Default::default(), 1e-4);
+    norm_grads::<Autodiff<qerl_nn::backends::Wgpu>>(
+        &qerl_nn::backends::wgpu_device_or_exit(),
+        1e-4,
+    );
 }
 
 #[cfg(feature = "cuda")]

@@ -306,6 +306,7 @@ fn errors_are_clear() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn greedy_on_wgpu_equals_cpu() {
+    qerl_kernels::runtime::wgpu_device_or_exit();
     let run = |device: &str| {
         let doc = generate_json(&[
             "--prompt",

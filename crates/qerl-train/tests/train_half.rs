@@ -41,7 +41,8 @@ fn wgpu_f16_training_step_is_finite_and_starts_on_policy_and_resumes() {
             chat: false,
         }
     };
-    let mut t = Trainer::<Autodiff<H>>::new(make_setup(2), &Default::default()).unwrap();
+    let device = qerl_kernels::runtime::wgpu_device_or_exit();
+    let mut t = Trainer::<Autodiff<H>>::new(make_setup(2), &device).unwrap();
     let out = run(&mut t, &RunOptions::default()).unwrap();
     for m in &out.metrics {
         println!("{m:?}");
@@ -68,8 +69,7 @@ fn wgpu_f16_training_step_is_finite_and_starts_on_policy_and_resumes() {
     // backend's half type, beside f32 master weights; unconverted, the first update wrote NaN
     // into the adapter (the NaN policy then samples max-length garbage with reward 0).
     drop(t);
-    let mut t =
-        Trainer::<Autodiff<H>>::resume(make_setup(4), tmp.path(), &Default::default()).unwrap();
+    let mut t = Trainer::<Autodiff<H>>::resume(make_setup(4), tmp.path(), &device).unwrap();
     assert_eq!(t.state.step, 2);
     let out = run(&mut t, &RunOptions::default()).unwrap();
     assert_eq!(out.metrics.len(), 2);

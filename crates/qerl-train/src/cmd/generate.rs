@@ -176,6 +176,7 @@ macro_rules! with_backend {
             #[cfg(feature = "wgpu")]
             $crate::cmd::generate::DeviceArg::Wgpu => {
                 type $B = qerl_nn::backends::Wgpu;
+                qerl_kernels::runtime::wgpu_device()?;
                 $body
             }
             #[cfg(feature = "cuda")]

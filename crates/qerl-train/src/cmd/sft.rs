@@ -163,7 +163,7 @@ pub fn run(args: Args) -> Result<()> {
         #[cfg(feature = "wgpu")]
         SftDevice::Wgpu => run_on::<burn::backend::Autodiff<qerl_nn::backends::Wgpu>>(
             &args,
-            &Default::default(),
+            &qerl_kernels::runtime::wgpu_device()?,
             "wgpu",
         ),
         #[cfg(feature = "cuda")]
