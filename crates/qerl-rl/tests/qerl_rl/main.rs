@@ -10,6 +10,7 @@ mod loss;
 mod metrics;
 mod optim;
 mod reward_cases;
+mod reward_data;
 mod reward_fuzz;
 mod rewards;
 

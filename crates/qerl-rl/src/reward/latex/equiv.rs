@@ -79,7 +79,8 @@ fn equiv(p: &Expr, g: &Expr, r: &mut &'static str) -> bool {
             (Some(a), Some(b)) => unordered(&a, &b, r),
             _ => set(r, "± with a non-value", false),
         },
-        (Expr::Set(a), Expr::Set(b)) | (Expr::Union(a), Expr::Union(b)) => unordered(a, b, r),
+        (Expr::Set(a), Expr::Set(b)) => unordered(&expand_items(a), &expand_items(b), r),
+        (Expr::Union(a), Expr::Union(b)) => unordered(a, b, r),
         (
             Expr::Seq {
                 open: po,
@@ -197,6 +198,19 @@ fn unordered(a: &[Expr], b: &[Expr], r: &mut &'static str) -> bool {
     set(r, "equal as sets", true)
 }
 
+/// The elements of a list with every `a ± b` among them counted as its two values
+/// (`\{1\pm\sqrt5, -2\}` has three elements).
+fn expand_items(items: &[Expr]) -> Vec<Expr> {
+    let mut out = Vec::with_capacity(items.len());
+    for x in items {
+        match x {
+            Expr::PlusMinus(..) => out.extend(expand_pm(x).unwrap_or_default()),
+            other => out.push(other.clone()),
+        }
+    }
+    out
+}
+
 /// `a ± b` as the two values; a plain value as itself; a set as its elements.
 fn expand_pm(e: &Expr) -> Option<Vec<Expr>> {
     match e {
@@ -204,7 +218,7 @@ fn expand_pm(e: &Expr) -> Option<Vec<Expr>> {
             Expr::Add(vec![(**a).clone(), (**b).clone()]),
             Expr::Add(vec![(**a).clone(), Expr::Neg(b.clone())]),
         ]),
-        Expr::Set(xs) => Some(xs.clone()),
+        Expr::Set(xs) => Some(expand_items(xs)),
         other if other.is_scalar() => Some(vec![other.clone()]),
         _ => None,
     }

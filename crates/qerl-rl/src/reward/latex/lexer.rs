@@ -107,13 +107,15 @@ pub(crate) fn lex(src: &str) -> Result<Vec<Tok>, ParseError> {
     let chars: Vec<char> = src.chars().collect();
     let mut toks = Vec::with_capacity(chars.len() / 2 + 1);
     let mut i = 0;
+    // Open round or square brackets (tuples, intervals) around the current position.
+    let mut depth = 0usize;
     while i < chars.len() {
         let c = chars[i];
         match c {
             c if c.is_whitespace() || c == '~' || c == '$' => i += 1,
-            '0'..='9' => i = lex_number(&chars, i, &mut toks),
+            '0'..='9' => i = lex_number(&chars, i, depth > 0, &mut toks),
             '.' if chars.get(i + 1).is_some_and(char::is_ascii_digit) => {
-                i = lex_number(&chars, i, &mut toks)
+                i = lex_number(&chars, i, depth > 0, &mut toks)
             }
             'a'..='z' | 'A'..='Z' => {
                 let start = i;
@@ -128,8 +130,18 @@ pub(crate) fn lex(src: &str) -> Result<Vec<Tok>, ParseError> {
                 toks.push(Tok::Sym(','));
                 i += 3;
             }
-            '+' | '-' | '*' | '/' | '^' | '_' | '(' | ')' | '[' | ']' | '{' | '}' | ',' | ';'
-            | '=' | '<' | '>' | '|' | '!' | '&' | '\'' | '%' | ':' => {
+            '(' | '[' => {
+                depth += 1;
+                toks.push(Tok::Sym(c));
+                i += 1;
+            }
+            ')' | ']' => {
+                depth = depth.saturating_sub(1);
+                toks.push(Tok::Sym(c));
+                i += 1;
+            }
+            '+' | '-' | '*' | '/' | '^' | '_' | '{' | '}' | ',' | ';' | '=' | '<' | '>' | '|'
+            | '!' | '&' | '\'' | '%' | ':' => {
                 toks.push(Tok::Sym(c));
                 i += 1;
             }
@@ -173,7 +185,7 @@ fn unicode_token(c: char) -> Option<Option<Tok>> {
 
 /// Reads a number starting at `start`, with thousands separators (`,`, `{,}`, `\,`, `\ `)
 /// joined when every group after the first has exactly three digits. Returns the next index.
-fn lex_number(chars: &[char], start: usize, toks: &mut Vec<Tok>) -> usize {
+fn lex_number(chars: &[char], start: usize, in_brackets: bool, toks: &mut Vec<Tok>) -> usize {
     let digits_at = |i: usize| {
         let mut j = i;
         while j < chars.len() && chars[j].is_ascii_digit() {
@@ -188,10 +200,24 @@ fn lex_number(chars: &[char], start: usize, toks: &mut Vec<Tok>) -> usize {
     i += first;
     if first > 0 && first <= 3 {
         loop {
-            // The separator spellings: `,`  `{,}`  `\,`  `\ ` and a thin space.
+            // The separator spellings: `{,}`  `,\!` (MATH's own)  `\,`  `\ `  a thin space, and a
+            // plain `,` outside brackets only (`(12,102)` is a pair, `12,102` a number).
             let sep_len = match chars.get(i) {
-                Some(',') => 1,
-                Some('{') if chars.get(i + 1) == Some(&',') && chars.get(i + 2) == Some(&'}') => 3,
+                Some(',') if chars.get(i + 1) == Some(&'\\') && chars.get(i + 2) == Some(&'!') => {
+                    let mut j = i + 3;
+                    while chars.get(j).is_some_and(|c| c.is_whitespace()) {
+                        j += 1;
+                    }
+                    j - i
+                }
+                Some(',') if !in_brackets => 1,
+                Some('{') if chars.get(i + 1) == Some(&',') && chars.get(i + 2) == Some(&'}') => {
+                    let mut j = i + 3;
+                    while chars.get(j).is_some_and(|c| c.is_whitespace()) {
+                        j += 1;
+                    }
+                    j - i
+                }
                 Some('\\') if matches!(chars.get(i + 1), Some(',' | ' ' | '!')) => 2,
                 Some('\u{2009}') => 1,
                 _ => 0,

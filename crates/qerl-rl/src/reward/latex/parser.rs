@@ -73,13 +73,6 @@ impl Parser {
 
     /// The whole answer: a list, with nothing left over.
     pub(crate) fn answer(&mut self) -> Result<Expr, ParseError> {
-        // `x \in [2, 5)`: the set is the answer.
-        if matches!(
-            (self.peek(), self.peek_at(1)),
-            (Some(Tok::Word(w)), Some(Tok::Cmd(c))) if w.len() == 1 && c == "in"
-        ) {
-            self.pos += 2;
-        }
         let items = self.list_items()?;
         if self.pos < self.toks.len() {
             return Err(unexpected(self.peek()));
@@ -103,6 +96,13 @@ impl Parser {
     }
 
     pub(super) fn list_items(&mut self) -> Result<Vec<Expr>, ParseError> {
+        // `x \in [2, 5)`: the set is the answer.
+        if matches!(
+            (self.peek(), self.peek_at(1)),
+            (Some(Tok::Word(w)), Some(Tok::Cmd(c))) if w.len() == 1 && c == "in"
+        ) {
+            self.pos += 2;
+        }
         let mut items = vec![self.union()?];
         while self.eat_separator() {
             items.push(self.union()?);
@@ -337,7 +337,8 @@ impl Parser {
     /// `None` for an exponent that was only `^\circ` (dropped by the lexer).
     fn exponent(&mut self) -> Result<Option<Expr>, ParseError> {
         match self.peek() {
-            None => Ok(None),
+            // `{90^\circ}`: the exponent was only `\circ`, dropped by the lexer.
+            None | Some(Tok::Sym('}' | ')' | ']' | ',')) => Ok(None),
             Some(Tok::Sym('{')) if self.peek_at(1) == Some(&Tok::Sym('}')) => {
                 self.pos += 2;
                 Ok(None)

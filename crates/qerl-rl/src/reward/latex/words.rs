@@ -106,7 +106,12 @@ pub(crate) fn is_list_conjunction(word: &str) -> bool {
 
 /// A choice letter written as `C`, `(C)`, `(c)` or `C)`; `None` for anything else.
 pub(crate) fn choice_letter(text: &str) -> Option<char> {
-    let t: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+    let t: String = text
+        .replace("\\left", "")
+        .replace("\\right", "")
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .collect();
     let inner = t
         .strip_prefix('(')
         .map(|r| r.strip_suffix(')').unwrap_or(r))
