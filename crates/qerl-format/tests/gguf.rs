@@ -102,6 +102,40 @@ fn tiny_llama_converts_to_a_hugging_face_directory() {
 }
 
 #[test]
+fn tiny_qwen2_keeps_its_rows_and_biases() {
+    let (bytes, q0, k0) = tiny_model("qwen2");
+    let (_tmp, out, result) = convert_bytes(&bytes, OutDtype::F32);
+    result.unwrap();
+    let config = read_json(&out.join("config.json"));
+    assert_eq!(config["architectures"][0], "Qwen2ForCausalLM");
+    assert_eq!(config["use_sliding_window"], false);
+    let ckpt = HfCheckpoint::open(&out).unwrap();
+    assert_eq!(ckpt.tensors().count(), 2 + 12 * LAYERS);
+    let (q, _) = ckpt
+        .read_f32("model.layers.0.self_attn.q_proj.weight")
+        .unwrap();
+    let (k, _) = ckpt
+        .read_f32("model.layers.0.self_attn.k_proj.weight")
+        .unwrap();
+    assert_eq!(
+        (q, k),
+        (q0, k0),
+        "Qwen2 rows are stored in Hugging Face order"
+    );
+    let info = ckpt
+        .tensor_info("model.layers.1.self_attn.k_proj.bias")
+        .unwrap();
+    assert_eq!(info.shape, vec![KV_HEADS * HEAD_DIM]);
+    let tok = read_json(&out.join("tokenizer.json"));
+    let split = &tok["pre_tokenizer"]["pretokenizers"][0];
+    assert_eq!(split["type"], "Split");
+    assert!(split["pattern"]["Regex"]
+        .as_str()
+        .unwrap()
+        .contains(r"\p{N}|"));
+}
+
+#[test]
 fn bf16_output_rounds_every_value() {
     let (bytes, q0, _) = tiny_llama();
     let (_tmp, out, result) = convert_bytes(&bytes, OutDtype::Bf16);

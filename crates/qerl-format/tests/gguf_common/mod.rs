@@ -254,23 +254,31 @@ pub fn permute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 /// The tiny Llama GGUF, and layer 0's q and k weights in Hugging Face row order (stored
 /// permuted, as F32, so the un-permutation can be checked exactly).
 pub fn tiny_llama() -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+    tiny_model("llama")
+}
+
+/// The tiny model as `llama` (SmolLM pre-tokenizer, q/k rows permuted, no biases) or `qwen2`
+/// (Qwen2 pre-tokenizer, rows as they are, q/k/v biases).
+pub fn tiny_model(arch: &str) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
     let (tokens, types, merges) = vocab();
     let vocab_size = tokens.len();
+    let qwen = arch == "qwen2";
+    let key = |k: &str| format!("{arch}.{k}");
     let mut b = GgufBuilder::default();
-    b.str("general.architecture", "llama")
+    b.str("general.architecture", arch)
         .str("general.name", "tiny")
-        .u32("llama.block_count", LAYERS as u32)
-        .u32("llama.context_length", 256)
-        .u32("llama.embedding_length", HIDDEN as u32)
-        .u32("llama.feed_forward_length", INTER as u32)
-        .u32("llama.attention.head_count", HEADS as u32)
-        .u32("llama.attention.head_count_kv", KV_HEADS as u32)
-        .f32("llama.rope.freq_base", 10000.0)
-        .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-        .u32("llama.rope.dimension_count", HEAD_DIM as u32)
-        .u32("llama.vocab_size", vocab_size as u32)
+        .u32(&key("block_count"), LAYERS as u32)
+        .u32(&key("context_length"), 256)
+        .u32(&key("embedding_length"), HIDDEN as u32)
+        .u32(&key("feed_forward_length"), INTER as u32)
+        .u32(&key("attention.head_count"), HEADS as u32)
+        .u32(&key("attention.head_count_kv"), KV_HEADS as u32)
+        .f32(&key("rope.freq_base"), 10000.0)
+        .f32(&key("attention.layer_norm_rms_epsilon"), 1e-5)
+        .u32(&key("rope.dimension_count"), HEAD_DIM as u32)
+        .u32(&key("vocab_size"), vocab_size as u32)
         .str("tokenizer.ggml.model", "gpt2")
-        .str("tokenizer.ggml.pre", "smollm")
+        .str("tokenizer.ggml.pre", if qwen { "qwen2" } else { "smollm" })
         .strings("tokenizer.ggml.tokens", &tokens)
         .i32s("tokenizer.ggml.token_type", &types)
         .strings("tokenizer.ggml.merges", &merges)
@@ -312,9 +320,21 @@ pub fn tiny_llama() -> (Vec<u8>, Vec<f32>, Vec<f32>) {
             0,
             f32_bytes(&vec![1.0; HIDDEN]),
         );
+        if qwen {
+            for (m, rows) in [("q", q), ("k", kv), ("v", kv)] {
+                let bias = values(s + 7, rows as usize, 0.1);
+                b.tensor(&format!("{p}attn_{m}.bias"), &[rows], 0, f32_bytes(&bias));
+            }
+        }
         if l == 0 {
-            let qp = permute_rows(&q0, HEADS, HIDDEN);
-            let kp = permute_rows(&k0, KV_HEADS, HIDDEN);
+            let (qp, kp) = if qwen {
+                (q0.clone(), k0.clone())
+            } else {
+                (
+                    permute_rows(&q0, HEADS, HIDDEN),
+                    permute_rows(&k0, KV_HEADS, HIDDEN),
+                )
+            };
             b.tensor(&format!("{p}attn_q.weight"), &[h, q], 0, f32_bytes(&qp));
             b.tensor(&format!("{p}attn_k.weight"), &[h, kv], 0, f32_bytes(&kp));
         } else {
