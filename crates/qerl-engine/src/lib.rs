@@ -7,6 +7,7 @@
 //!   the cache, SiLU·mul, dense products for the lm_head and LoRA, device sampling).
 //! * `forward`: one pass over a flat batch of `(token, slot, position)` rows, which serves
 //!   prefill and decode alike.
+//! * [`reference`]: a host f64 decoder and random models on both sides, for the checks.
 //! * [`engine`]: the [`Engine`]: KV cache arena, prompt sharing across samples, continuous
 //!   batching, asynchronous finished flags.
 //!
@@ -16,6 +17,7 @@
 pub mod engine;
 mod forward;
 pub mod kernels;
+pub mod reference;
 pub mod shape;
 pub mod weights;
 

@@ -9,13 +9,8 @@
 //! agree to ~1e-4 (checked at 2e-3); tokens must be equal.
 
 use cubecl::prelude::*;
-use cubecl::server::Handle;
-use qerl_engine::{
-    Completion, Engine, EngineConfig, EngineWeights, Frozen, Layer, Linear, LoraWeights,
-    ModelShape, Request, Sampling,
-};
-use qerl_format::{QuantFormat, QuantizedWeight, SourceDtype};
-use qerl_kernels::DeviceWeight;
+use qerl_engine::reference::{check_engine, test_shape, HostModel};
+use qerl_engine::{Completion, Engine, EngineConfig, EngineWeights, Request, Sampling};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -25,305 +20,8 @@ fn client() -> ComputeClient<R> {
     R::client(&qerl_kernels::runtime::wgpu_device_or_exit())
 }
 
-fn shape() -> ModelShape {
-    let head_dim = 16;
-    ModelShape {
-        name: "test".into(),
-        vocab: 97,
-        hidden: 64,
-        intermediate: 96,
-        layers: 2,
-        q_heads: 4,
-        kv_heads: 2,
-        head_dim,
-        qkv_bias: true,
-        o_bias: false,
-        mlp_bias: false,
-        tied_embeddings: false,
-        rms_eps: 1e-6,
-        inv_freq: (0..head_dim / 2)
-            .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / head_dim as f32))
-            .collect(),
-        max_positions: 256,
-    }
-}
-
-/// A linear on the host: the frozen weight as the device sees it (dequantized), bias, LoRA.
-struct HostLinear {
-    n: usize,
-    k: usize,
-    w: Vec<f32>,
-    bias: Option<Vec<f32>>,
-    lora: Option<(Vec<f32>, Vec<f32>, usize, f32)>,
-}
-
-impl HostLinear {
-    fn apply(&self, x: &[f64]) -> Vec<f64> {
-        let t: Option<Vec<f64>> = self.lora.as_ref().map(|(a, _, r, _)| {
-            (0..*r)
-                .map(|j| (0..self.k).map(|c| x[c] * a[j * self.k + c] as f64).sum())
-                .collect()
-        });
-        (0..self.n)
-            .map(|o| {
-                let mut y: f64 = (0..self.k)
-                    .map(|c| x[c] * self.w[o * self.k + c] as f64)
-                    .sum();
-                if let Some(b) = &self.bias {
-                    y += b[o] as f64;
-                }
-                if let (Some((_, b, r, s)), Some(t)) = (&self.lora, &t) {
-                    let l: f64 = (0..*r).map(|j| t[j] * b[o * r + j] as f64).sum();
-                    y += *s as f64 * l;
-                }
-                y
-            })
-            .collect()
-    }
-}
-
-struct HostLayer {
-    attn_norm: Vec<f32>,
-    mlp_norm: Vec<f32>,
-    lin: Vec<HostLinear>, // q k v o gate up down
-}
-
-struct HostModel {
-    s: ModelShape,
-    embed: Vec<f32>,
-    lm_head: Vec<f32>,
-    final_norm: Vec<f32>,
-    layers: Vec<HostLayer>,
-}
-
-fn rms(x: &[f64], g: &[f32], eps: f32) -> Vec<f64> {
-    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
-    let r = 1.0 / (ms + eps as f64).sqrt();
-    x.iter().zip(g).map(|(v, &g)| v * r * g as f64).collect()
-}
-
-fn rope(x: &mut [f64], pos: usize, inv_freq: &[f32]) {
-    let half = inv_freq.len();
-    for (i, &f) in inv_freq.iter().enumerate() {
-        let a = (pos as f32 * f) as f64;
-        let (s, c) = a.sin_cos();
-        let (x1, x2) = (x[i], x[i + half]);
-        x[i] = x1 * c - x2 * s;
-        x[i + half] = x2 * c + x1 * s;
-    }
-}
-
-impl HostModel {
-    /// Log-softmax of the next token after `ids`, recomputed from scratch.
-    fn next_logprobs(&self, ids: &[u32]) -> Vec<f64> {
-        let s = &self.s;
-        let (d, hd) = (s.hidden, s.head_dim);
-        let mut h: Vec<Vec<f64>> = ids
-            .iter()
-            .map(|&t| {
-                (0..d)
-                    .map(|c| self.embed[t as usize * d + c] as f64)
-                    .collect()
-            })
-            .collect();
-        for l in &self.layers {
-            let xn: Vec<Vec<f64>> = h.iter().map(|x| rms(x, &l.attn_norm, s.rms_eps)).collect();
-            let mut q: Vec<Vec<f64>> = xn.iter().map(|x| l.lin[0].apply(x)).collect();
-            let mut k: Vec<Vec<f64>> = xn.iter().map(|x| l.lin[1].apply(x)).collect();
-            let v: Vec<Vec<f64>> = xn.iter().map(|x| l.lin[2].apply(x)).collect();
-            for (p, (qp, kp)) in q.iter_mut().zip(k.iter_mut()).enumerate() {
-                for hq in 0..s.q_heads {
-                    rope(&mut qp[hq * hd..(hq + 1) * hd], p, &s.inv_freq);
-                }
-                for hk in 0..s.kv_heads {
-                    rope(&mut kp[hk * hd..(hk + 1) * hd], p, &s.inv_freq);
-                }
-            }
-            let group = s.q_heads / s.kv_heads;
-            for p in 0..ids.len() {
-                let mut att = vec![0f64; s.q_dim()];
-                for hq in 0..s.q_heads {
-                    let hk = hq / group;
-                    let qv = &q[p][hq * hd..(hq + 1) * hd];
-                    let scores: Vec<f64> = (0..=p)
-                        .map(|j| {
-                            let kv = &k[j][hk * hd..(hk + 1) * hd];
-                            qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
-                        })
-                        .collect();
-                    let m = scores.iter().cloned().fold(f64::MIN, f64::max);
-                    let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
-                    let z: f64 = e.iter().sum();
-                    for c in 0..hd {
-                        att[hq * hd + c] =
-                            (0..=p).map(|j| e[j] / z * v[j][hk * hd + c]).sum::<f64>();
-                    }
-                }
-                let o = l.lin[3].apply(&att);
-                for c in 0..d {
-                    h[p][c] += o[c];
-                }
-            }
-            for x in h.iter_mut() {
-                let xn = rms(x, &l.mlp_norm, s.rms_eps);
-                let g = l.lin[4].apply(&xn);
-                let u = l.lin[5].apply(&xn);
-                let a: Vec<f64> = g
-                    .iter()
-                    .zip(&u)
-                    .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                    .collect();
-                let dn = l.lin[6].apply(&a);
-                for c in 0..d {
-                    x[c] += dn[c];
-                }
-            }
-        }
-        let xf = rms(h.last().unwrap(), &self.final_norm, s.rms_eps);
-        let logits: Vec<f64> = (0..s.vocab)
-            .map(|t| (0..d).map(|c| xf[c] * self.lm_head[t * d + c] as f64).sum())
-            .collect();
-        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
-        let lse = m + logits.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
-        logits.iter().map(|x| x - lse).collect()
-    }
-
-    fn greedy(&self, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f64>) {
-        let mut ids = prompt.to_vec();
-        let (mut toks, mut lps) = (Vec::new(), Vec::new());
-        for _ in 0..n {
-            let lp = self.next_logprobs(&ids);
-            let (t, &best) = lp
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.partial_cmp(b.1).unwrap())
-                .unwrap();
-            ids.push(t as u32);
-            toks.push(t as u32);
-            lps.push(best);
-        }
-        (toks, lps)
-    }
-}
-
-fn uniform(rng: &mut StdRng, len: usize, bound: f32) -> Vec<f32> {
-    (0..len).map(|_| rng.random_range(-bound..bound)).collect()
-}
-
-fn up(c: &ComputeClient<R>, v: &[f32]) -> Handle {
-    c.create_from_slice(f32::as_bytes(v))
-}
-
-/// A random model, on the host and on the device; `quant`: the frozen linears in NVFP4.
 fn random_model(c: &ComputeClient<R>, seed: u64, quant: bool) -> (HostModel, EngineWeights) {
-    let s = shape();
-    let mut rng = StdRng::seed_from_u64(seed);
-    let (d, i) = (s.hidden, s.intermediate);
-    let mut layers = Vec::new();
-    let mut dev_layers = Vec::new();
-    for _ in 0..s.layers {
-        let dims = [
-            (s.q_dim(), d, true),
-            (s.kv_dim(), d, true),
-            (s.kv_dim(), d, true),
-            (d, s.q_dim(), false),
-            (i, d, false),
-            (i, d, false),
-            (d, i, false),
-        ];
-        let mut lin = Vec::new();
-        let mut dev = Vec::new();
-        for (idx, (n, k, bias)) in dims.into_iter().enumerate() {
-            let bound = 1.5 / (k as f32).sqrt();
-            let w = uniform(&mut rng, n * k, bound);
-            let (w_host, weight) = if quant {
-                let q = QuantizedWeight::quantize(
-                    QuantFormat::Nvfp4,
-                    "w",
-                    &w,
-                    &[n, k],
-                    SourceDtype::F32,
-                )
-                .unwrap();
-                (
-                    q.dequantize(),
-                    Frozen::Quant(DeviceWeight::upload(c, &q).unwrap()),
-                )
-            } else {
-                (w.clone(), Frozen::Dense(up(c, &w)))
-            };
-            let bias = bias.then(|| uniform(&mut rng, n, 0.1));
-            // Rank 4 on every linear but `o` (a linear without an adapter), rank 4 everywhere else.
-            let lora = (idx != 3).then(|| {
-                let r = 4;
-                (
-                    uniform(&mut rng, r * k, bound),
-                    uniform(&mut rng, n * r, 0.2),
-                    r,
-                    0.5f32,
-                )
-            });
-            dev.push(Linear {
-                n,
-                k,
-                weight,
-                bias: bias.as_ref().map(|b| up(c, b)),
-                lora: lora.as_ref().map(|(a, b, r, sc)| LoraWeights {
-                    a: up(c, a),
-                    b: up(c, b),
-                    rank: *r,
-                    scale: *sc,
-                }),
-            });
-            lin.push(HostLinear {
-                n,
-                k,
-                w: w_host,
-                bias,
-                lora,
-            });
-        }
-        let attn_norm: Vec<f32> = (0..d).map(|_| rng.random_range(0.8..1.2)).collect();
-        let mlp_norm: Vec<f32> = (0..d).map(|_| rng.random_range(0.8..1.2)).collect();
-        let mut it = dev.into_iter();
-        let mut nx = || it.next().unwrap();
-        dev_layers.push(Layer {
-            attn_norm: up(c, &attn_norm),
-            q: nx(),
-            k: nx(),
-            v: nx(),
-            o: nx(),
-            mlp_norm: up(c, &mlp_norm),
-            gate: nx(),
-            up: nx(),
-            down: nx(),
-        });
-        layers.push(HostLayer {
-            attn_norm,
-            mlp_norm,
-            lin,
-        });
-    }
-    let embed = uniform(&mut rng, s.vocab * d, 1.0);
-    let lm_head = uniform(&mut rng, s.vocab * d, 0.5);
-    let final_norm: Vec<f32> = (0..d).map(|_| rng.random_range(0.8..1.2)).collect();
-    let weights = EngineWeights {
-        shape: s.clone(),
-        embed: up(c, &embed),
-        layers: dev_layers,
-        final_norm: up(c, &final_norm),
-        lm_head: Some(up(c, &lm_head)),
-    };
-    (
-        HostModel {
-            s,
-            embed,
-            lm_head,
-            final_norm,
-            layers,
-        },
-        weights,
-    )
+    qerl_engine::reference::random_model::<R, f32>(c, &test_shape(), seed, quant)
 }
 
 fn requests(rng: &mut StdRng, n: usize, vocab: u32) -> Vec<Request> {
@@ -368,7 +66,7 @@ fn greedy_generation_matches_the_host_reference_dense_and_nvfp4() {
     for quant in [false, true] {
         let (host, weights) = random_model(&c, seed, quant);
         let mut rng = StdRng::seed_from_u64(seed ^ 7);
-        let reqs = requests(&mut rng, 5, host.s.vocab as u32);
+        let reqs = requests(&mut rng, 5, host.shape().vocab as u32);
         // Two slots for five requests: slots are refilled; 5-token prefill passes: long
         // prompts span passes.
         let config = EngineConfig {
@@ -489,4 +187,14 @@ fn bad_requests_are_refused_with_the_reason() {
     };
     let err = engine.generate(&[oov], &greedy()).unwrap_err().to_string();
     assert!(err.contains("outside the vocabulary"), "{err}");
+}
+
+#[test]
+fn the_benchmark_check_passes_on_wgpu() {
+    let c = client();
+    for quant in [false, true] {
+        let r = check_engine::<R, f32>(&c, 11, quant).unwrap();
+        assert_eq!(r.tokens_equal, r.tokens, "{r:?}");
+        assert!(r.max_logprob_diff < 2e-3, "{r:?}");
+    }
 }
