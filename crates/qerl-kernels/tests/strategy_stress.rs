@@ -31,10 +31,11 @@
 //! main thread and used directly by the worker's first product (the plain linear, which cuBLAS
 //! reads without a widening kernel in between).
 //!
-//! CUDA: `#[ignore]`d (needs a GPU): `cargo test --release -p qerl-kernels --features cuda
-//! --test strategy_stress -- --ignored`. wgpu (lavapipe here) runs the same body at small sizes
-//! on the portable kernels: no tensor cores or cuBLAS there, so it checks the test and cubecl's
-//! own ordering, not the strategies.
+//! CUDA: `#[ignore]`d (needs a GPU): `source tools/device_cuda_libs.sh && cargo test --release
+//! -p qerl-kernels --features cuda --test strategy_stress -- --ignored` (without libcublas the
+//! GPU tests fail unless `QERL_STRESS_WITHOUT_CUBLAS=1`). wgpu (lavapipe here) runs the same
+//! body at small sizes on the portable kernels: no tensor cores or cuBLAS there, so it checks the
+//! test and cubecl's own ordering, not the strategies.
 
 use std::sync::Mutex;
 
@@ -426,14 +427,25 @@ fn check_round<R: Runtime, F: Float + CubeElement>(
     Ok(())
 }
 
+/// Set to run the GPU tests without cuBLAS (the tensor-core strategies and a tuner choosing
+/// among them only); by default a GPU run without libcublas fails, since the strategy under
+/// suspicion would silently go unchecked.
+const WITHOUT_CUBLAS_ENV: &str = "QERL_STRESS_WITHOUT_CUBLAS";
+
 /// Every strategy a product above the decode kernel can take on this client for `F`.
-fn strategies<R: Runtime, F: Float>(c: &ComputeClient<R>) -> Vec<gemm::Strategy> {
+fn strategies<R: Runtime, F: Float>(c: &ComputeClient<R>, gpu: bool) -> Vec<gemm::Strategy> {
     let mut all = vec![gemm::Strategy::TensorCores];
     all.extend(gemm::TileConfig::ALL.map(gemm::Strategy::TensorCoresTiles));
     if gemm::cublas_usable::<R, F>(c) {
         all.push(gemm::Strategy::Cublas);
     } else {
-        eprintln!("note: no cuBLAS for {} here", std::any::type_name::<F>());
+        let name = std::any::type_name::<F>();
+        assert!(
+            !gpu || std::env::var_os(WITHOUT_CUBLAS_ENV).is_some(),
+            "libcublas cannot be loaded for {name}: `source tools/device_cuda_libs.sh` first, or \
+             set {WITHOUT_CUBLAS_ENV}=1 to check the tensor-core strategies alone"
+        );
+        eprintln!("note: no cuBLAS for {name} here");
     }
     // Last: the tuner then picks among candidates whose kernels are already compiled, and its
     // passes start in the middle of chains.
@@ -524,7 +536,7 @@ pub fn back_to_back<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol:
     for plan in &plans {
         let chain = build_chain::<R, F>(&c, &mut rng, plan);
         let (d0, d3) = (plan.widths[0], plan.widths[3]);
-        for strategy in strategies::<R, F>(&c) {
+        for strategy in strategies::<R, F>(&c, gpu) {
             let _s = StrategyGuard::set(strategy);
             let what = format!("{strategy:?} widths {:?}", plan.widths);
             let mut data = StdRng::seed_from_u64(rng.random());
@@ -571,7 +583,7 @@ where
     };
     let chain = build_chain::<R, F>(&c, &mut rng, &plan);
     let (d0, d3) = (plan.widths[0], plan.widths[3]);
-    for strategy in strategies::<R, F>(&c) {
+    for strategy in strategies::<R, F>(&c, gpu) {
         let _s = StrategyGuard::set(strategy);
         let what = format!("{strategy:?} widths {:?}", plan.widths);
         let results: Vec<Result<(), String>> = std::thread::scope(|scope| {
