@@ -13,17 +13,17 @@ use super::expr::{Expr, Rel};
 
 /// The outcome of a comparison, with the rule that decided it (for `--explain`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Verdict {
+pub struct Equivalence {
     pub equal: bool,
     pub reason: &'static str,
 }
 
 /// Compares a predicted answer with the reference (`gold`). Not symmetric in one respect:
 /// a decimal reference accepts exact predictions that round to it.
-pub fn equivalent(pred: &Expr, gold: &Expr) -> Verdict {
+pub fn equivalent(pred: &Expr, gold: &Expr) -> Equivalence {
     let mut reason = "different";
     let equal = equiv(pred, gold, &mut reason);
-    Verdict { equal, reason }
+    Equivalence { equal, reason }
 }
 
 fn set(r: &mut &'static str, why: &'static str, v: bool) -> bool {
@@ -65,6 +65,14 @@ fn equiv(p: &Expr, g: &Expr, r: &mut &'static str) -> bool {
                 rhs: gr,
             },
         ) => relations(*po, pl, pr, *go, gl, gr, r),
+        // `-2 \le x \le 7` against `[-2, 7]`, `x > 3` against `(3, \infty)`.
+        (Expr::Relation { .. }, Expr::Seq { .. } | Expr::Union(_))
+        | (Expr::Seq { .. } | Expr::Union(_), Expr::Relation { .. }) => {
+            match (as_interval(p), as_interval(g)) {
+                (Some(a), Some(b)) => equiv(&a, &b, r),
+                _ => set(r, "a relation against an interval", false),
+            }
+        }
         (Expr::Choice(a), Expr::Choice(b)) => set(r, "choice letters", a == b),
         (Expr::Choice(a), Expr::Var(v)) | (Expr::Var(v), Expr::Choice(a)) => {
             set(r, "choice letters", v.len() == 1 && v.starts_with(*a))
@@ -155,6 +163,64 @@ fn is_name(e: &Expr) -> bool {
             [Expr::Var(f), Expr::Var(_)] if matches!(f.as_str(), "f" | "g" | "h" | "p" | "q" | "P" | "Q")
         ),
         _ => false,
+    }
+}
+
+/// An inequality in one variable as the interval it describes (`a < x \le b` is `(a, b]`,
+/// `x \ge 3` is `[3, \infty)`); intervals and unions as themselves.
+fn as_interval(e: &Expr) -> Option<Expr> {
+    let interval = |lo: Expr, lo_closed: bool, hi: Expr, hi_closed: bool| Expr::Seq {
+        open: if lo_closed { '[' } else { '(' },
+        close: if hi_closed { ']' } else { ')' },
+        items: vec![lo, hi],
+    };
+    let inf = || Expr::Infinity;
+    let neg_inf = || Expr::Neg(Box::new(Expr::Infinity));
+    match e {
+        Expr::Seq { .. } | Expr::Union(_) => Some(e.clone()),
+        Expr::Relation { op, lhs, rhs } => {
+            if let Expr::Relation {
+                op: inner,
+                lhs: a,
+                rhs: x,
+            } = &**lhs
+            {
+                // A chain `a op1 x op2 b`.
+                if !matches!(**x, Expr::Var(_)) {
+                    return None;
+                }
+                let b = (**rhs).clone();
+                return match (inner, op) {
+                    (Rel::Lt | Rel::Le, Rel::Lt | Rel::Le) => Some(interval(
+                        (**a).clone(),
+                        *inner == Rel::Le,
+                        b,
+                        *op == Rel::Le,
+                    )),
+                    (Rel::Gt | Rel::Ge, Rel::Gt | Rel::Ge) => Some(interval(
+                        b,
+                        *op == Rel::Ge,
+                        (**a).clone(),
+                        *inner == Rel::Ge,
+                    )),
+                    _ => None,
+                };
+            }
+            // `x op v`, or `v op x` read backwards.
+            let (op, v) = match (&**lhs, &**rhs) {
+                (Expr::Var(_), v) if !v.has_vars() => (*op, v.clone()),
+                (v, Expr::Var(_)) if !v.has_vars() => (op.mirrored(), v.clone()),
+                _ => return None,
+            };
+            match op {
+                Rel::Lt => Some(interval(neg_inf(), false, v, false)),
+                Rel::Le => Some(interval(neg_inf(), false, v, true)),
+                Rel::Gt => Some(interval(v, false, inf(), false)),
+                Rel::Ge => Some(interval(v, true, inf(), false)),
+                Rel::Eq | Rel::Ne => None,
+            }
+        }
+        _ => None,
     }
 }
 

@@ -16,7 +16,7 @@ mod lexer;
 mod parser;
 mod words;
 
-pub use equiv::{equivalent, Verdict};
+pub use equiv::{equivalent, Equivalence};
 pub use expr::{Constant, Expr, Func, Rel};
 
 /// The longest answer (in bytes, after extraction) that is parsed. MATH-500's longest
