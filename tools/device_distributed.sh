@@ -83,7 +83,8 @@ for other in ["gpu2", "gpu2to1"]:
     if not os.path.isdir(f"{out}/{other}/{ckpt}"):
         continue
     worst = 0.0
-    for f in ["adapter_model.safetensors", "norms.safetensors"]:
+    # LoRA and the trained norms (modules_to_save) are both in the adapter's file
+    for f in ["adapter_model.safetensors"]:
         t1, t2 = load_file(f"{out}/gpu1/{ckpt}/{f}"), load_file(f"{out}/{other}/{ckpt}/{f}")
         assert t1.keys() == t2.keys(), f
         worst = max([worst] + [float(abs(t1[k].astype("float64") - t2[k]).max()) for k in t1])

@@ -147,9 +147,8 @@ fn run_world(
 }
 
 fn trained(ckpt: &Path) -> BTreeMap<String, HostTensor> {
-    let mut t = read_safetensors(&ckpt.join("adapter_model.safetensors")).unwrap();
-    t.extend(read_safetensors(&ckpt.join("norms.safetensors")).unwrap());
-    t
+    // LoRA and the trained norms (`modules_to_save`) are both in the adapter's file
+    read_safetensors(&ckpt.join("adapter_model.safetensors")).unwrap()
 }
 
 /// Largest |a - b| over all tensors (same names and shapes required).

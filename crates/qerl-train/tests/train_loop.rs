@@ -128,10 +128,11 @@ fn reward_rises_on_a_learnable_task() {
     );
 }
 
+/// The adapter's weights (LoRA and, as `modules_to_save`, the trained norms) and config.
 fn adapter_bytes(dir: &Path) -> (Vec<u8>, Vec<u8>) {
     (
         std::fs::read(dir.join("adapter_model.safetensors")).unwrap(),
-        std::fs::read(dir.join("norms.safetensors")).unwrap(),
+        std::fs::read(dir.join("adapter_config.json")).unwrap(),
     )
 }
 

@@ -2,8 +2,7 @@
 //!
 //! | file | what |
 //! | --- | --- |
-//! | `adapter_model.safetensors`, `adapter_config.json` | the LoRA adapter in PEFT's format |
-//! | `norms.safetensors` | the RMSNorm weights (when trained) |
+//! | `adapter_model.safetensors`, `adapter_config.json` | the LoRA adapter in PEFT's format, with the RMSNorm weights (when trained) as `modules_to_save` |
 //! | `optimizer.mpk` | burn's AdamW state (`NamedMpkFileRecorder`, full precision) |
 //! | `trainer_state.json` | step, seed, prompts consumed, parameter ids |
 //! | `config.toml` | the resolved run configuration |
@@ -34,7 +33,8 @@ pub struct TrainerState {
     pub prompts_consumed: usize,
     /// burn parameter id of each trained tensor (PEFT / checkpoint names).
     pub param_ids: BTreeMap<String, u64>,
-    /// Whether the norms file holds trained norms.
+    /// Whether the norms were trained (and so are in the adapter as `modules_to_save`; in
+    /// checkpoints of earlier versions, in `norms.safetensors`).
     pub trained_norms: bool,
 }
 

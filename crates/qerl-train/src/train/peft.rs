@@ -1,6 +1,9 @@
-//! Writing the trained parameters: a PEFT LoRA adapter (what `qerl_model::Adapter` and
-//! Hugging Face PEFT read) and the trainable RMSNorm weights, plus host copies of both for
-//! checkpoints and tests.
+//! Writing the trained parameters as a PEFT LoRA adapter (what `qerl_model::Adapter` and
+//! Hugging Face PEFT read): the LoRA matrices and, when trained, the RMSNorm weights as PEFT's
+//! `modules_to_save` (QeRL's `--ln True`), so `PeftModel.from_pretrained` runs the trained
+//! policy from the checkpoint as it is; plus host copies of both for checkpoints and tests.
+//! Checkpoints of earlier qerl versions kept the norms in `norms.safetensors`; they are still
+//! read ([`read_trained`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,8 +18,11 @@ use serde_json::json;
 
 /// PEFT's prefix of every tensor name.
 pub const PEFT_PREFIX: &str = "base_model.model.";
-/// The norms file of a checkpoint.
-pub const NORMS_FILE: &str = "norms.safetensors";
+/// `modules_to_save` of an adapter with trained norms. PEFT wraps every module whose name ends
+/// with an entry: these three name exactly the model's RMSNorms (a bare `norm` would also
+/// catch any other module named `*norm`).
+pub const NORM_MODULES_TO_SAVE: [&str; 3] =
+    ["input_layernorm", "post_attention_layernorm", "model.norm"];
 
 /// The seven decoder linears of every layer, named like their checkpoint modules.
 pub fn linears<B: QerlBackend>(model: &CausalLm<B>) -> Vec<(String, &Nvfp4Linear<B>)> {
@@ -108,12 +114,15 @@ pub fn lora_tensors<B: QerlBackend>(
 
 /// The RMSNorm weights by checkpoint name, with their parameter ids.
 pub fn norm_tensors<B: QerlBackend>(
-    model: &mut CausalLm<B>,
+    model: &CausalLm<B>,
 ) -> BTreeMap<String, (HostTensor, ParamId)> {
     let names = norm_names(model.layers.len());
-    model
-        .norms_mut()
-        .into_iter()
+    let norms = model
+        .layers
+        .iter()
+        .flat_map(|l| [&l.input_layernorm, &l.post_attention_layernorm])
+        .chain([&model.norm]);
+    norms
         .zip(names)
         .map(|(n, name)| (name, (HostTensor::of(n.weight.val()), n.weight.id)))
         .collect()
@@ -161,15 +170,26 @@ pub struct AdapterMeta {
     pub alpha: f32,
     pub targets: Vec<String>,
     pub base_model: String,
+    /// Whether the norms were trained: then they are saved as `modules_to_save`.
+    pub norms: bool,
 }
 
-/// Writes `adapter_model.safetensors` + `adapter_config.json` (PEFT's LoRA format) into `dir`.
+/// Writes `adapter_model.safetensors` + `adapter_config.json` (PEFT's LoRA format) into `dir`:
+/// the LoRA matrices and, with `meta.norms`, every RMSNorm weight under PEFT's name
+/// (`base_model.model.model.layers.0.input_layernorm.weight`).
 pub fn write_adapter<B: QerlBackend>(
     model: &CausalLm<B>,
     meta: &AdapterMeta,
     dir: &Path,
 ) -> Result<()> {
-    write_safetensors(&dir.join(qerl_model::ADAPTER_WEIGHTS), &lora_tensors(model))?;
+    let mut tensors = lora_tensors(model);
+    if meta.norms {
+        for (name, t) in norm_tensors(model) {
+            tensors.insert(format!("{PEFT_PREFIX}{name}"), t);
+        }
+    }
+    write_safetensors(&dir.join(qerl_model::ADAPTER_WEIGHTS), &tensors)?;
+    let modules_to_save = meta.norms.then_some(NORM_MODULES_TO_SAVE);
     let config = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -178,6 +198,7 @@ pub fn write_adapter<B: QerlBackend>(
         "lora_alpha": meta.alpha,
         "lora_dropout": 0.0,
         "target_modules": meta.targets,
+        "modules_to_save": modules_to_save,
         "bias": "none",
         "fan_in_fan_out": false,
         "use_rslora": false,
@@ -190,13 +211,63 @@ pub fn write_adapter<B: QerlBackend>(
         .with_context(|| format!("cannot write `{}`", path.display()))
 }
 
-/// Writes the norm weights (`norms.safetensors`) into `dir`.
-pub fn write_norms<B: QerlBackend>(model: &mut CausalLm<B>, dir: &Path) -> Result<()> {
-    write_safetensors(&dir.join(NORMS_FILE), &norm_tensors(model))
+/// The trained tensors of a checkpoint: the LoRA matrices by PEFT name and, when
+/// `trained_norms`, the norm weights by checkpoint name (`model.norm.weight`), from
+/// `modules_to_save` in the adapter or, in a checkpoint of an earlier qerl version, from
+/// `norms.safetensors`.
+pub fn read_trained(
+    dir: &Path,
+    trained_norms: bool,
+) -> Result<(
+    BTreeMap<String, HostTensor>,
+    Option<BTreeMap<String, HostTensor>>,
+)> {
+    let path = dir.join(qerl_model::ADAPTER_WEIGHTS);
+    let mut lora = read_safetensors(&path)?;
+    let saved: Vec<String> = lora
+        .keys()
+        .filter(|k| !k.contains(".lora_A.") && !k.contains(".lora_B."))
+        .cloned()
+        .collect();
+    let mut norms = BTreeMap::new();
+    for key in saved {
+        let t = lora.remove(&key).expect("listed");
+        let name = key
+            .strip_prefix(PEFT_PREFIX)
+            .with_context(|| format!("`{}`: unexpected tensor `{key}`", path.display()))?;
+        norms.insert(name.to_string(), t);
+    }
+    let legacy = dir.join(qerl_model::LEGACY_NORMS_FILE);
+    if legacy.exists() {
+        anyhow::ensure!(
+            norms.is_empty(),
+            "`{}` and `modules_to_save` in `{}` both hold norms: which apply is ambiguous",
+            legacy.display(),
+            path.display()
+        );
+        norms = read_safetensors(&legacy)?;
+    }
+    if !trained_norms {
+        anyhow::ensure!(
+            norms.is_empty(),
+            "`{}` holds norm weights, but the checkpoint's {} says the norms were not trained",
+            path.display(),
+            crate::checkpoint::STATE_FILE
+        );
+        return Ok((lora, None));
+    }
+    anyhow::ensure!(
+        !norms.is_empty(),
+        "the checkpoint's {} says the norms were trained, but neither `{}` nor `{}` holds them",
+        crate::checkpoint::STATE_FILE,
+        path.display(),
+        legacy.display()
+    );
+    Ok((lora, Some(norms)))
 }
 
 /// Parameter ids of the trained tensors by name (LoRA and norms), for the optimizer state.
-pub fn param_ids<B: QerlBackend>(model: &mut CausalLm<B>) -> BTreeMap<String, u64> {
+pub fn param_ids<B: QerlBackend>(model: &CausalLm<B>) -> BTreeMap<String, u64> {
     let mut out: BTreeMap<String, u64> = lora_tensors(model)
         .into_iter()
         .map(|(k, (_, id))| (k, id.val()))
@@ -271,7 +342,7 @@ pub fn load_trained<B: QerlBackend>(
         for (n, name) in model.norms_mut().into_iter().zip(names) {
             let t = norms
                 .get(&name)
-                .with_context(|| format!("no norm `{name}`"))?;
+                .with_context(|| format!("the checkpoint has no norm `{name}`"))?;
             let trainable = n.weight.is_require_grad();
             n.weight = param::<B, 1>(t, ids.get(&name).copied(), trainable, &device);
         }

@@ -30,7 +30,7 @@ use crate::checkpoint::{self, TrainerState, CONFIG_FILE, OPTIMIZER_FILE};
 use crate::dist::{Communicator, Single};
 use crate::dp::{gather_f32, global_scores, shard, GlobalRounds, RoundReport};
 use crate::noise::{set_noise, step_noise};
-use crate::peft::{self, AdapterMeta, HostTensor, NORMS_FILE, PEFT_PREFIX};
+use crate::peft::{self, AdapterMeta, HostTensor, PEFT_PREFIX};
 use crate::rollout::{encode_prompts, merge_scores, sample_groups_at, score_groups, Group};
 use crate::update::{update, TrainBatch, UpdateConfig, UpdateStats};
 
@@ -272,11 +272,7 @@ impl<B: TrainBackend> Trainer<B> {
         let dir = checkpoint::resolve_checkpoint(dir)?;
         let state = TrainerState::read(&dir)?;
         let mut t = Self::new(setup, device)?;
-        let lora = peft::read_safetensors(&dir.join(qerl_model::ADAPTER_WEIGHTS))?;
-        let norms = state
-            .trained_norms
-            .then(|| peft::read_safetensors(&dir.join(NORMS_FILE)))
-            .transpose()?;
+        let (lora, norms) = peft::read_trained(&dir, state.trained_norms)?;
         peft::load_trained(t.model_mut(), &lora, norms.as_ref(), &state.param_ids)?;
         let record = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
             .load(dir.join(OPTIMIZER_FILE), device)
@@ -526,6 +522,7 @@ impl<B: TrainBackend> Trainer<B> {
             alpha: c.lora.alpha,
             targets: c.lora.targets.clone(),
             base_model: c.model.dir.display().to_string(),
+            norms: self.state.trained_norms,
         };
         let name = checkpoint::checkpoint_name(self.state.step);
         let record = self.optim.to_record();
@@ -534,9 +531,6 @@ impl<B: TrainBackend> Trainer<B> {
         state.param_ids = peft::param_ids(model);
         checkpoint::write_atomically(&c.train.output_dir, &name, |dir| {
             peft::write_adapter(model, &meta, dir)?;
-            if state.trained_norms {
-                peft::write_norms(model, dir)?;
-            }
             NamedMpkFileRecorder::<FullPrecisionSettings>::new()
                 .record(record, dir.join(OPTIMIZER_FILE))
                 .context("cannot write the optimizer state")?;
