@@ -219,8 +219,8 @@ pub fn convert_gguf(
     options: &ConvertOptions,
     progress: &dyn Fn(Progress),
 ) -> Result<ConvertReport> {
-    let staging = Staging::new(gguf, out_dir)?;
     let file = GgufFile::open(gguf)?;
+    let staging = Staging::new(gguf, out_dir)?;
     let h = hf::hyper(&file)?;
     let planned = plan(&file, &h)?;
     let tok = tokenizer_files(&file.metadata, h.max_position_embeddings)?;

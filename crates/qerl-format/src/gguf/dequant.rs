@@ -139,7 +139,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> bool {
     let Some((elems, block_bytes)) = ty.block() else {
         return false;
     };
-    if bytes.len() % block_bytes != 0 || bytes.len() / block_bytes * elems != out.len() {
+    if !bytes.len().is_multiple_of(block_bytes) || bytes.len() / block_bytes * elems != out.len() {
         return false;
     }
     let block_fn: fn(&[u8], &mut [f32]) = match ty {
