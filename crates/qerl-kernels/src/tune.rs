@@ -13,8 +13,8 @@
 //!   written once, by the chosen candidate, after tuning;
 //! * the first product of a key in a process first asks the device for errors of earlier work
 //!   ([`surface_earlier_errors`]): CubeCL's warm-up flushes the stream's error list and drops it,
-//!   and the cuBLAS candidate's sync takes it as its own failure, so a launch or allocation that
-//!   failed just before would otherwise leave its output unwritten with nobody told.
+//!   and the cuBLAS candidate's sync takes it as its own failure, so a launch that failed just
+//!   before would otherwise leave its output unwritten with nobody told.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -248,8 +248,11 @@ pub(crate) fn run<R: Runtime, F: Float>(p: Product<R>) -> Result<(), KernelError
 }
 
 /// Before the first product of `key` in this process (the call that may start a tuning pass),
-/// waits for the device to take everything queued so far and returns the errors it recorded
-/// for that work, if any. See the module doc for why a tuning pass would otherwise lose them.
+/// waits until cubecl has handed everything queued on this thread's stream to the device (not
+/// until the device has run it) and returns the errors recorded for that work: launches the
+/// driver refused or cubecl could not prepare (a kernel that did not compile, a buffer that was
+/// never bound, a failed copy). See the module doc for why a tuning pass would otherwise lose
+/// them.
 fn surface_earlier_errors<R: Runtime>(
     client: &ComputeClient<R>,
     key: &ProductKey,
