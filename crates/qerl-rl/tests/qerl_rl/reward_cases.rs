@@ -174,6 +174,11 @@ pub const MATH_CASES: &[(&str, &str, bool)] = &[
     ("25%", "25", true),
     (r"10\%", "11", false),
     (r"12.5\%", "12.5", true),
+    (r"25\%", "0.25", true),
+    (r"25\%", r"\frac14", true),
+    (r"25\%", "0.5", false),
+    (r"25\%", r"25\%", true),
+    (r"25\%", r"26\%", false),
     // Thousands separators.
     ("1,000", "1000", true),
     ("1{,}000", "1000", true),

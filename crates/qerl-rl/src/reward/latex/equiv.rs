@@ -65,6 +65,14 @@ fn equiv(p: &Expr, g: &Expr, r: &mut &'static str) -> bool {
                 rhs: gr,
             },
         ) => relations(*po, pl, pr, *go, gl, gr, r),
+        // A percentage is the number as written or that number over 100.
+        (Expr::Percent(x), other) | (other, Expr::Percent(x)) => {
+            let hundredth = Expr::Div(x.clone(), Box::new(Expr::Num("100".into())));
+            if matches!(other, Expr::Percent(_)) {
+                return equiv(x, strip_percent(other), r);
+            }
+            equiv(x, other, r) || equiv(&hundredth, other, r)
+        }
         // `-2 \le x \le 7` against `[-2, 7]`, `x > 3` against `(3, \infty)`.
         (Expr::Relation { .. }, Expr::Seq { .. } | Expr::Union(_))
         | (Expr::Seq { .. } | Expr::Union(_), Expr::Relation { .. }) => {
@@ -221,6 +229,13 @@ fn as_interval(e: &Expr) -> Option<Expr> {
             }
         }
         _ => None,
+    }
+}
+
+fn strip_percent(e: &Expr) -> &Expr {
+    match e {
+        Expr::Percent(x) => x,
+        other => other,
     }
 }
 

@@ -150,6 +150,7 @@ pub(crate) fn exact(e: &Expr) -> Option<Ratio> {
             .iter()
             .try_fold(Ratio::int(1), |acc, x| acc.mul(exact(x)?)),
         Expr::Neg(x) => exact(x)?.neg(),
+        Expr::Percent(x) => exact(x),
         Expr::Div(a, b) => exact(a)?.mul(exact(b)?.recip()?),
         Expr::Pow(b, p) => {
             let p = exact(p)?;
@@ -344,6 +345,7 @@ pub(crate) fn complex(e: &Expr, env: &[(String, C)]) -> C {
             .iter()
             .fold(C::real(1.0), |acc, x| acc.mul(complex(x, env))),
         Expr::Neg(x) => C::real(0.0).sub(complex(x, env)),
+        Expr::Percent(x) => complex(x, env),
         Expr::Div(a, b) => complex(a, env).div(complex(b, env)),
         Expr::Pow(a, b) => complex(a, env).pow(complex(b, env)),
         Expr::Call(f, xs) => call(*f, xs, env, &arg),

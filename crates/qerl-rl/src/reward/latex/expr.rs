@@ -99,6 +99,8 @@ pub enum Expr {
     Div(Box<Expr>, Box<Expr>),
     Pow(Box<Expr>, Box<Expr>),
     Call(Func, Vec<Expr>),
+    /// `x\%`: read as `x` (`10\%` answers "what percent") or as `x / 100` (`25\%` = 0.25).
+    Percent(Box<Expr>),
     /// `a \pm b`: the two answers `a + b` and `a - b`.
     PlusMinus(Box<Expr>, Box<Expr>),
     /// A bracketed sequence: tuples `(1, 2)`, intervals `[0, 1)`, vectors `\langle 1,2 \rangle`.
@@ -175,7 +177,7 @@ impl Expr {
             }
             Expr::Seq { items, .. } => items.iter().for_each(|x| x.visit(f)),
             Expr::Matrix(rows) => rows.iter().flatten().for_each(|x| x.visit(f)),
-            Expr::Neg(x) => x.visit(f),
+            Expr::Neg(x) | Expr::Percent(x) => x.visit(f),
             Expr::Div(a, b) | Expr::Pow(a, b) | Expr::PlusMinus(a, b) => {
                 a.visit(f);
                 b.visit(f);
@@ -227,6 +229,7 @@ impl fmt::Display for Expr {
                 f.write_str(")")
             }
             Expr::Neg(x) => write!(f, "-{x}"),
+            Expr::Percent(x) => write!(f, "{x}%"),
             Expr::Div(a, b) => write!(f, "({a} / {b})"),
             Expr::Pow(a, b) => write!(f, "{a}^{b}"),
             Expr::Call(func, xs) => {

@@ -324,8 +324,11 @@ impl Parser {
             } else if self.eat('!') {
                 self.wrap(&mut wraps)?;
                 base = Expr::Call(Func::Factorial, vec![base]);
-            } else if self.eat('%') || self.eat('\'') {
-                // Percent: the number as written (`10\%` answers "10"). Primes: ignored.
+            } else if self.eat('%') {
+                self.wrap(&mut wraps)?;
+                base = Expr::Percent(Box::new(base));
+            } else if self.eat('\'') {
+                // Primes: ignored.
             } else {
                 self.depth -= wraps;
                 return Ok(base);
