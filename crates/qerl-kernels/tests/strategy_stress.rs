@@ -561,10 +561,10 @@ pub fn back_to_back<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol:
 ///
 /// The worker keeps those buffers until it has read its last round back. Dropping a buffer
 /// made on another thread right after queuing its consumer is unsafe in cubecl 0.10 whatever
-/// the kernel: the slice goes back to its maker's pool at once (the cross-stream "GC" task
-/// holds only memory ids, cubecl-runtime-0.10.0/src/stream/event.rs:166-187), and the maker's
-/// next allocation can overwrite it before the consumer's stream has run. This test failed
-/// that way on lavapipe (forward 0 wrong on both workers) before the buffers were kept.
+/// the kernel: the slice goes back to its maker's pool at once (on CUDA the cross-stream "GC"
+/// task holds only memory ids, cubecl-runtime-0.10.0/src/stream/event.rs:166-187), and the
+/// maker's next allocation can overwrite it before the consumer's stream has run. This test
+/// failed that way on lavapipe (forward 0 wrong on both workers) before the buffers were kept.
 pub fn two_threads<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64, gpu: bool)
 where
     R::Device: Send + Sync,
