@@ -341,6 +341,53 @@ pub const MATH_CASES: &[(&str, &str, bool)] = &[
     (r"1\pm\sqrt2", r"1+\sqrt2", false),
     (r"\{1\pm\sqrt{5},-2\}", r"\{-2, 1+\sqrt5, 1-\sqrt5\}", true),
     (r"\{1\pm\sqrt{5},-2\}", r"\{1+\sqrt5, -2\}", false),
+    // MATH-500 style answers, each with a wrong neighbour.
+    (r"\dfrac{3}{56}", r"\frac{3}{56}", true),
+    (r"\frac{3}{57}", r"\frac{3}{56}", false),
+    (r"3\sqrt{13}", r"\sqrt{117}", true),
+    (r"3\sqrt{13}", r"\sqrt{116}", false),
+    ("6-5i", "6 - 5i", true),
+    ("6+5i", "6 - 5i", false),
+    ("42_8", "52_8", false),
+    ("(6,31,-1)", r"\left(6, 31, -1\right)", true),
+    ("(6,31,1)", "(6,31,-1)", false),
+    (r"\frac{270}{7}\text{ degrees}", r"\frac{270}7", true),
+    (r"\frac{270}{7}", r"\frac{270}{8}", false),
+    ("5x - 7y + 11z + 4 = 0", "-5x + 7y - 11z - 4 = 0", true),
+    ("5x - 7y + 11z + 4 = 0", "5x - 7y + 11z - 4 = 0", false),
+    ("y = -2x", "y=-2x", true),
+    ("y = 2x", "y=-2x", false),
+    ("2k+2", "2(k+1)", true),
+    ("2k+1", "2(k+1)", false),
+    ("p - q", "-q + p", true),
+    ("q - p", "p - q", false),
+    ("x^5 - x^4 + x^3 - x^2 + x - 1", "(x-1)(x^4+x^2+1)", true),
+    ("x^5 - x^4 + x^3 - x^2 + x + 1", "(x-1)(x^4+x^2+1)", false),
+    ("(a+5)(b+2)", "ab + 2a + 5b + 10", true),
+    ("(a+5)(b+3)", "ab + 2a + 5b + 10", false),
+    (r"\text{east}", r"\text{East}", true),
+    (r"\text{west}", r"\text{east}", false),
+    (r"\text{ellipse}", "ellipse", true),
+    (r"\text{circle}", "ellipse", false),
+    (r"\frac{20000}{\pi}", r"20000/\pi", true),
+    (r"\frac{2000}{\pi}", r"\frac{20000}{\pi}", false),
+    (r"137\frac{1}{2}", "137.5", true),
+    (r"137\frac{1}{3}", "137.5", false),
+    ("6r^2-4r-24", "2(3r^2-2r-12)", true),
+    ("6r^2-4r-25", "2(3r^2-2r-12)", false),
+    (r"(0,9) \cup (9,36)", r"(9,36) \cup (0,9)", true),
+    (r"(0,9) \cup [9,36)", r"(0,9) \cup (9,36)", false),
+    (
+        r"\left[ \frac{\pi^2}{8}, \frac{5 \pi^2}{4} \right]",
+        r"[\frac{\pi^2}{8}, \frac{5\pi^2}{4}]",
+        true,
+    ),
+    ("8n^2 + 4n + 1", "1 + 4n + 8n^2", true),
+    ("8n^2 + 4n", "8n^2 + 4n + 1", false),
+    ("3R^2", "3 R^{2}", true),
+    ("3R^3", "3R^2", false),
+    (r"\frac{\sqrt{21}}{5}", r"\sqrt{\frac{21}{25}}", true),
+    (r"\frac{\sqrt{21}}{5}", r"\sqrt{\frac{21}{24}}", false),
     // Integers, exactly.
     ("1000001", "1000000", false),
     ("123456789012345678901", "123456789012345678902", false),
@@ -398,7 +445,8 @@ fn math_table_is_large_and_graded_as_listed() {
             }
         }
     }
-    assert!(graded >= 300, "{graded} graded cases");
+    assert!(MATH_CASES.len() >= 300, "{} rows", MATH_CASES.len());
+    assert!(graded >= 500, "{graded} graded cases");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
