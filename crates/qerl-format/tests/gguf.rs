@@ -135,6 +135,15 @@ fn tiny_qwen2_keeps_its_rows_and_biases() {
         .contains(r"\p{N}|"));
 }
 
+/// Version 2 has the same layout as 3 (3 only added big-endian files).
+#[test]
+fn version_2_converts_too() {
+    let mut b = tiny_llama().0;
+    b[4..8].copy_from_slice(&2u32.to_le_bytes());
+    let (_tmp, _out, result) = convert_bytes(&b, OutDtype::F32);
+    result.unwrap();
+}
+
 #[test]
 fn bf16_output_rounds_every_value() {
     let (bytes, q0, _) = tiny_llama();
@@ -211,6 +220,10 @@ fn bad_files_give_errors_naming_file_and_field() {
     let mut v1 = good.clone();
     v1[4] = 1;
     assert!(error_of(&v1).contains("GGUF version 1 is not supported"));
+
+    let mut big_endian = good.clone();
+    big_endian[4..8].copy_from_slice(&3u32.to_be_bytes());
+    assert!(error_of(&big_endian).contains("big-endian"));
 
     let mut lying = good.clone();
     lying[8..16].copy_from_slice(&u64::MAX.to_le_bytes());

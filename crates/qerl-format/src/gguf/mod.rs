@@ -13,6 +13,7 @@
 //! Every failure is a [`GgufError`] naming the file and the field, tensor or key.
 
 mod convert;
+mod cursor;
 pub mod dequant;
 mod error;
 pub mod hf;
