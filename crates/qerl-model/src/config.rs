@@ -52,6 +52,22 @@ pub enum RopeScaling {
     },
 }
 
+/// Upper bounds on the sizes a `config.json` may give, checked before anything is allocated
+/// from them. They lie far above every released model of these architectures (a 405B Llama:
+/// hidden 16384, intermediate 53248, 126 layers, 128 heads, vocabulary 128256, context 131072),
+/// so a damaged or hostile file (`num_hidden_layers = 1000000000`) is refused with the field
+/// named instead of ending in the allocator.
+/// (`num_key_value_heads` divides `num_attention_heads`, so its limit follows.)
+pub const SIZE_LIMITS: [(&str, usize); 7] = [
+    ("vocab_size", 1 << 22),
+    ("hidden_size", 1 << 17),
+    ("intermediate_size", 1 << 19),
+    ("num_hidden_layers", 1 << 10),
+    ("num_attention_heads", 1 << 10),
+    ("head_dim", 1 << 12),
+    ("max_position_embeddings", 1 << 24),
+];
+
 /// A decoder's hyper-parameters, as read from `config.json`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -262,7 +278,7 @@ impl ModelConfig {
                 format!("is {rms_norm_eps}, not a positive number"),
             ));
         }
-        Ok(ModelConfig {
+        let config = ModelConfig {
             path: path.to_path_buf(),
             arch,
             vocab_size: k.positive("vocab_size")?,
@@ -287,7 +303,34 @@ impl ModelConfig {
             pad_token_id: k
                 .token_ids("pad_token_id")?
                 .and_then(|v| v.first().copied()),
-        })
+        };
+        for (key, limit) in SIZE_LIMITS {
+            let value = config.size(key);
+            if value > limit {
+                return Err(k.err(
+                    key,
+                    format!(
+                        "is {value}, more than qerl accepts ({limit}; the largest released \
+                         models are far below): is this config.json damaged?"
+                    ),
+                ));
+            }
+        }
+        Ok(config)
+    }
+
+    /// The size field `key` of [`SIZE_LIMITS`].
+    fn size(&self, key: &str) -> usize {
+        match key {
+            "vocab_size" => self.vocab_size,
+            "hidden_size" => self.hidden_size,
+            "intermediate_size" => self.intermediate_size,
+            "num_hidden_layers" => self.num_hidden_layers,
+            "num_attention_heads" => self.num_attention_heads,
+            "head_dim" => self.head_dim,
+            "max_position_embeddings" => self.max_position_embeddings,
+            other => unreachable!("{other} is not a size of ModelConfig"),
+        }
     }
 
     /// Output width of q_proj: `num_attention_heads * head_dim`.

@@ -90,6 +90,50 @@ fn host_f32<B: QerlBackend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.cast(DType::F32).into_data().iter::<f32>().collect()
 }
 
+/// Fails when `max_new_tokens` alone exceeds the model's context (`max_position_embeddings`):
+/// the KV cache is allocated for the prompt plus that many positions up front, so a huge value
+/// would otherwise end in the allocator. (A prompt past the context still runs, as in
+/// transformers; commands that take a user's prompt hold it to [`check_context`].)
+pub fn check_new_tokens(model: &crate::ModelConfig, max_new_tokens: usize) -> Result<()> {
+    let context = model.max_position_embeddings;
+    if max_new_tokens > context {
+        return Err(ModelError::Input(format!(
+            "max_new_tokens = {max_new_tokens} is more than the model's context: \
+             max_position_embeddings = {context} in `{}`",
+            model.path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Fails unless the longest prompt plus `max_new_tokens` fits the model's context
+/// (`max_position_embeddings`): positions past it are ones the model never saw, and a prompt of
+/// a whole file would be minutes of work.
+pub fn check_context(
+    model: &crate::ModelConfig,
+    prompts: &[Vec<u32>],
+    max_new_tokens: usize,
+) -> Result<()> {
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let context = model.max_position_embeddings;
+    if longest > context {
+        return Err(ModelError::Input(format!(
+            "a prompt of {longest} tokens is longer than the model's context: \
+             max_position_embeddings = {context} in `{}`",
+            model.path.display()
+        )));
+    }
+    if max_new_tokens > context - longest {
+        return Err(ModelError::Input(format!(
+            "max_new_tokens = {max_new_tokens} after a prompt of {longest} tokens goes past the \
+             model's context: max_position_embeddings = {context} in `{}` leaves {} new tokens",
+            model.path.display(),
+            context - longest
+        )));
+    }
+    Ok(())
+}
+
 /// Generates a completion for every prompt (token ids, each non-empty).
 pub fn generate<B: QerlBackend>(
     model: &CausalLm<B>,
@@ -119,6 +163,7 @@ pub fn generate_from_row<B: QerlBackend>(
     if config.stop_strings.iter().any(String::is_empty) {
         return Err(ModelError::Input("a stop string is empty".into()));
     }
+    check_new_tokens(&model.config, config.max_new_tokens)?;
     // Lengths rounded up so that the kernels see few distinct shapes (each new shape is compiled
     // and autotuned once per process, or once per machine with the autotune cache).
     let batch = TokenBatch::padded_to_multiple(

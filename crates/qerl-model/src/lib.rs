@@ -16,6 +16,7 @@
 //! Shapes in the docs are `[batch, seq, ...]`; token ids are `u32` on the host.
 
 mod adapter;
+mod adapter_check;
 mod adapter_norms;
 mod attention;
 pub mod batch;
@@ -36,8 +37,8 @@ pub use batch::{Padding, TokenBatch};
 pub use config::{Architecture, GenerationDefaults, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use generate::{
-    generate, generate_from_row, score, Completion, Decode, FinishReason, GenerationConfig,
-    PositionScore,
+    check_context, check_new_tokens, generate, generate_from_row, score, Completion, Decode,
+    FinishReason, GenerationConfig, PositionScore,
 };
 pub use load::{load, load_with_adapter, LoadOptions, LoraSpec};
 pub use model::{CausalLm, DecoderLayer, KvCache, Mlp};

@@ -222,6 +222,9 @@ pub fn load_with_adapter<B: QerlBackend>(
         });
     }
     check_blocks(&config, precision)?;
+    if let Some(a) = adapter {
+        crate::adapter_check::check(a, &config)?;
+    }
     // An adapter decides the rank and alpha of each module it has weights for, and may
     // replace norm weights (`modules_to_save`).
     let lora_of = |module: &str| match adapter {

@@ -4,6 +4,21 @@ use super::{ConfigError, TrainConfig};
 use crate::aqn::SigmaSchedule;
 use crate::data::DatasetKind;
 
+/// The linear layers of a Qwen2 / Llama decoder layer, the names `lora.targets` may use.
+pub const LORA_TARGETS: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+/// The largest `lora.rank` accepted before the model is read (the trainer then also holds it
+/// to the model's sizes): a rank such as `1e8` is refused here instead of in the allocator.
+pub const MAX_LORA_RANK: usize = 1 << 16;
+
 fn bad(key: &str, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         key: key.to_string(),
@@ -48,6 +63,28 @@ impl TrainConfig {
             !self.lora.targets.is_empty(),
             "lora.targets",
             "must name at least one linear layer",
+        )?;
+        for t in &self.lora.targets {
+            // a misspelled name would match no layer: 0 tensors trained, and exit 0
+            let name = t.rsplit('.').next().unwrap_or(t);
+            ensure(
+                LORA_TARGETS.contains(&name),
+                "lora.targets",
+                format!(
+                    "names `{t}`, which is not a linear layer of a Qwen2 / Llama decoder \
+                     (valid names: {})",
+                    LORA_TARGETS.join(", ")
+                ),
+            )?;
+        }
+        ensure(
+            self.lora.rank <= MAX_LORA_RANK,
+            "lora.rank",
+            format!(
+                "is {}, more than qerl accepts ({MAX_LORA_RANK}; a rank above the model's \
+                 hidden size adds nothing)",
+                self.lora.rank
+            ),
         )?;
 
         if self.data.dataset == DatasetKind::Jsonl {

@@ -9,8 +9,10 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use qerl_model::{ChatTemplate, QerlBackend};
 use qerl_rl::data::DatasetKind;
+use qerl_rl::data::{resolve_dataset, FieldSpec, Split};
 use qerl_rl::prompt::PromptTemplate;
 use qerl_train::evaluate::{evaluate, held_out, EvalSpec};
+use qerl_train::output_path::ensure_not_an_input;
 use serde_json::json;
 
 use super::generate::{load, with_backend, ModelArgs};
@@ -61,6 +63,12 @@ pub enum PromptArg {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    // before the model is loaded; checked again on the final path before it is created
+    if let Some(out) = &args.output {
+        let (_, dataset_file, _) =
+            resolve_dataset(&args.dataset, Split::Test, &FieldSpec::math500())?;
+        ensure_not_an_input(out, "--output", &[("--dataset", &dataset_file)])?;
+    }
     with_backend!(args.model.device, B => run_on::<B>(&args, &Default::default()))
 }
 
@@ -89,10 +97,9 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
         seed: args.seed,
         batch: args.batch,
     };
-    let out_path = args
-        .output
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(format!("eval-{}.jsonl", kind_name(kind))));
+    let out_path = output_path(args, kind);
+    let (_, dataset_file, _) = resolve_dataset(&args.dataset, Split::Test, &FieldSpec::math500())?;
+    ensure_not_an_input(&out_path, "--output", &[("--dataset", &dataset_file)])?;
     let mut out = std::io::BufWriter::new(
         std::fs::File::create(&out_path)
             .with_context(|| format!("cannot create `{}`", out_path.display()))?,
@@ -143,4 +150,11 @@ pub fn kind_name(kind: DatasetKind) -> &'static str {
         DatasetKind::Math500 => "math500",
         DatasetKind::Jsonl => "jsonl",
     }
+}
+
+/// The per-sample output file: --output, else `eval-<dataset>.jsonl`.
+fn output_path(args: &Args, kind: DatasetKind) -> PathBuf {
+    args.output
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("eval-{}.jsonl", kind_name(kind))))
 }

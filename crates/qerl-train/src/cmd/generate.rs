@@ -283,6 +283,7 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
             .unwrap_or(0),
     };
     let start = Instant::now();
+    qerl_model::check_context(&model.config, &prompts, config.max_new_tokens)?;
     let out = generate(model, &prompts, &config, Some(tokenizer))?;
     let secs = start.elapsed().as_secs_f64();
     let new_tokens: usize = out.iter().map(|c| c.tokens.len()).sum();

@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 use qerl_rl::data::{load_jsonl, resolve_dataset, DatasetKind, FieldSpec, Split};
 use qerl_rl::eval::judge;
 use qerl_rl::reward::RewardSet;
+use qerl_train::output_path::ensure_not_an_input;
 use serde_json::{json, Value};
 
 #[derive(clap::Args, Debug)]
@@ -32,13 +33,21 @@ pub fn run(args: Args) -> Result<()> {
         _ => RewardSet::math(),
     };
     let mut by_id: Option<HashMap<String, String>> = None;
-    let input = std::fs::File::open(&args.completions)
-        .with_context(|| format!("cannot read `{}`", args.completions.display()))?;
     let out_path = args
         .output
         .clone()
         .unwrap_or_else(|| args.completions.with_extension("rewards.jsonl"));
-    let mut out = std::io::BufWriter::new(std::fs::File::create(&out_path)?);
+    ensure_not_an_input(
+        &out_path,
+        "--output",
+        &[("--completions", &args.completions), ("--dataset", &file)],
+    )?;
+    let input = std::fs::File::open(&args.completions)
+        .with_context(|| format!("cannot read `{}`", args.completions.display()))?;
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(&out_path)
+            .with_context(|| format!("cannot create `{}`", out_path.display()))?,
+    );
     let (mut n, mut total, mut correct, mut strict, mut flexible, mut failures) =
         (0usize, 0f64, 0usize, 0usize, 0usize, 0usize);
     for (i, line) in std::io::BufReader::new(input).lines().enumerate() {

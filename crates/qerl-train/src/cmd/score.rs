@@ -41,6 +41,7 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
     if ids.is_empty() {
         anyhow::bail!("the text encodes to no tokens");
     }
+    qerl_model::check_context(&loaded.model.config, std::slice::from_ref(&ids), 0)?;
     let scores = score(&loaded.model, &ids, args.top_k)?;
     if args.json {
         let positions = scores

@@ -15,9 +15,10 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::ValueEnum;
 use qerl_rl::TrainConfig;
-use qerl_train::checkpoint::{resolve_checkpoint, CONFIG_FILE};
+use qerl_train::checkpoint::{resolve_checkpoint, resume_run_dir, CONFIG_FILE};
 use qerl_train::dist::launch::{free_port, spawn_local, RankEnv};
 use qerl_train::dist::{tcp::TcpComm, Communicator, Single};
+use qerl_train::run_dir::{prepare_fresh, RunDirLock};
 use qerl_train::{RunOptions, TrainBackend, TrainSetup, Trainer};
 
 /// Where training runs.
@@ -39,8 +40,14 @@ pub struct Args {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
     /// Continue a run from a checkpoint directory (or a run directory: its latest checkpoint).
+    /// The run goes on in that run directory, whatever the checkpoint's config names (or in the
+    /// `train.output_dir` given with --set, which must then be new or empty, or --overwrite).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Start afresh in a run directory that already holds a run, removing that run's
+    /// checkpoints, metrics and plot first (without it such a directory is refused).
+    #[arg(long)]
+    pub overwrite: bool,
     /// tokenizer.json when the model directory has none.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -108,7 +115,36 @@ pub fn run(args: Args) -> Result<()> {
         (None, Some(dir)) => dir.join(CONFIG_FILE),
         (None, None) => unreachable!("clap requires --config without --resume"),
     };
-    let config = TrainConfig::load(&config_path, &args.set)?;
+    let mut config = TrainConfig::load(&config_path, &args.set)?;
+    // A resumed run continues in the run directory it came from, unless told where to go.
+    let continues_in_place = match &args.resume {
+        Some(arg) => {
+            let run_dir = resume_run_dir(arg);
+            let explicit = args
+                .set
+                .iter()
+                .any(|s| s.trim_start().starts_with("train.output_dir"));
+            if !explicit {
+                config.train.output_dir = run_dir.clone();
+            }
+            same_dir(&config.train.output_dir, &run_dir)
+        }
+        None => false,
+    };
+    let model = qerl_model::ModelConfig::from_dir(&config.model.dir)?;
+    qerl_train::limits::check_against_model(&config, &model)
+        .with_context(|| format!("`{}`", config_path.display()))?;
+    // rank 0 alone writes the run directory; the lock lives as long as this function
+    let writes = rank_env.as_ref().is_none_or(|e| e.rank == 0);
+    let _lock = if writes {
+        let lock = RunDirLock::acquire(&config.train.output_dir)?;
+        if !continues_in_place {
+            prepare_fresh(&lock, args.overwrite)?;
+        }
+        Some(lock)
+    } else {
+        None
+    };
     let mut setup = TrainSetup::from_config(config, args.tokenizer.as_deref())?;
     setup.chat = !args.no_chat;
     let device = match args.device {
@@ -140,6 +176,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         #[cfg(feature = "wgpu")]
         TrainDevice::Wgpu => {
+            qerl_kernels::runtime::wgpu_device()?;
             let comm = rank.tcp()?;
             go::<burn::backend::Autodiff<qerl_nn::backends::Wgpu>>(setup, resume, &options, comm, 0)
         }
@@ -199,6 +236,11 @@ impl Rank {
             ),
         })
     }
+}
+
+/// Whether two paths name one directory (the same path, or both existing and canonically equal).
+fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
+    a == b || matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
 }
 
 /// The backend's device number `index` (the rank's GPU under data parallelism).

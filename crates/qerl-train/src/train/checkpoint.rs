@@ -99,7 +99,9 @@ pub fn write_atomically(
 }
 
 /// A checkpoint directory from `--resume`: the directory itself when it has a state file, else
-/// the one its `latest` file names.
+/// the one its `latest` file names. A `latest` file names a directory inside the run directory
+/// (one plain name: no `..`, no `/`, no absolute path, no symbolic link leading out), so a copied
+/// or untrusted run directory cannot send qerl elsewhere.
 pub fn resolve_checkpoint(dir: &Path) -> Result<PathBuf> {
     if dir.join(STATE_FILE).is_file() {
         return Ok(dir.to_path_buf());
@@ -111,12 +113,50 @@ pub fn resolve_checkpoint(dir: &Path) -> Result<PathBuf> {
             dir.display()
         )
     })?;
-    let ckpt = dir.join(name.trim());
+    let name = name.trim();
+    let mut parts = Path::new(name).components();
+    let plain = matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    );
+    anyhow::ensure!(
+        plain,
+        "`{}` names `{name}`, which is not a checkpoint inside `{}` (a `latest` file holds one \
+         directory name, such as checkpoint-000003)",
+        latest.display(),
+        dir.display()
+    );
+    let ckpt = dir.join(name);
     anyhow::ensure!(
         ckpt.join(STATE_FILE).is_file(),
         "`{}` (from `{}`) is not a checkpoint",
         ckpt.display(),
         latest.display()
     );
+    let inside = match (ckpt.canonicalize(), dir.canonicalize()) {
+        (Ok(c), Ok(d)) => c.parent() == Some(d.as_path()),
+        _ => false,
+    };
+    anyhow::ensure!(
+        inside,
+        "`{}` (from `{}`) leads outside `{}` (a symbolic link?): refusing to resume from it",
+        ckpt.display(),
+        latest.display(),
+        dir.display()
+    );
     Ok(ckpt)
+}
+
+/// The run directory that `--resume ARG` continues: `ARG` itself for a run directory, the
+/// directory holding it for a checkpoint. New checkpoints and metrics go there, whatever
+/// `train.output_dir` the checkpoint's `config.toml` names (a copied run directory would
+/// otherwise write into the original).
+pub fn resume_run_dir(arg: &Path) -> PathBuf {
+    if !arg.join(STATE_FILE).is_file() {
+        return arg.to_path_buf();
+    }
+    match arg.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
 }

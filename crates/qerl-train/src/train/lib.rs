@@ -9,6 +9,10 @@
 //! | [`noise`] | AQN noise vectors folded into the RMSNorm weights |
 //! | [`peft`] | the PEFT adapter writer, norm weights, host tensors |
 //! | [`checkpoint`] | atomic checkpoint directories and the trainer state |
+//! | [`run_dir`] | the run directory's lock, and what a fresh run may find there |
+//! | [`output_path`] | refusing an output file that is one of the inputs |
+//! | [`limits`] | a run's sizes held to the model's before anything is allocated |
+//! | [`out_of_memory`] | running out of device memory reported as an error that says what to change |
 //! | [`signal`] | the Ctrl-C flag |
 //! | [`dist`] | data parallelism: the communicator (in-process, TCP, NCCL), torchrun's environment, `--gpus N` |
 //! | [`dp`] | the data-parallel pieces of a step: global dynamic sampling, gradient all-reduce, reduced metrics |
@@ -21,10 +25,14 @@ pub mod checkpoint;
 pub mod dist;
 pub mod dp;
 pub mod evaluate;
+pub mod limits;
 pub mod noise;
+pub mod out_of_memory;
+pub mod output_path;
 pub mod peft;
 pub mod rollout;
 pub mod run;
+pub mod run_dir;
 pub mod sft;
 pub mod signal;
 pub mod trainer;

@@ -238,7 +238,20 @@ pub fn run<B: TrainBackend>(trainer: &mut Trainer<B>, options: &RunOptions) -> R
         if options.max_steps.is_some_and(|n| done_here >= n) {
             break;
         }
-        let m = trainer.train_step()?;
+        let device = trainer.model().device();
+        let m = crate::out_of_memory::guard(
+            &format!("training step {}", trainer.state.step + 1),
+            || {
+                <B as qerl_model::QerlBackend>::memory_usage(&device).map(|(used, reserved)| {
+                    format!(
+                        "{:.1} GB in use, {:.1} GB reserved by the allocator",
+                        used as f64 / 1e9,
+                        reserved as f64 / 1e9
+                    )
+                })
+            },
+            || trainer.train_step(),
+        )?;
         done_here += 1;
         if let Some(w) = writer.as_mut() {
             w.write(&m)?;
