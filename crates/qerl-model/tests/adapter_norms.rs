@@ -286,7 +286,9 @@ fn what_qerl_cannot_hold_is_refused_naming_the_key() {
         .into_iter()
         .map(|m| (m, norm_tensor(m)))
         .collect();
-    let cases: Vec<(Value, Vec<(&str, String)>, Vec<&str>)> = vec![
+    // (adapter config, norm weights in the file, what the error must name)
+    type Refusal<'a> = (Value, Vec<(&'a str, String)>, Vec<&'a str>);
+    let cases: Vec<Refusal> = vec![
         (
             with("modules_to_save", json!(["lm_head"])),
             vec![],

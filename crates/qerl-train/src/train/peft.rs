@@ -211,17 +211,14 @@ pub fn write_adapter<B: QerlBackend>(
         .with_context(|| format!("cannot write `{}`", path.display()))
 }
 
+/// Host tensors by name.
+pub type HostTensors = BTreeMap<String, HostTensor>;
+
 /// The trained tensors of a checkpoint: the LoRA matrices by PEFT name and, when
 /// `trained_norms`, the norm weights by checkpoint name (`model.norm.weight`), from
 /// `modules_to_save` in the adapter or, in a checkpoint of an earlier qerl version, from
 /// `norms.safetensors`.
-pub fn read_trained(
-    dir: &Path,
-    trained_norms: bool,
-) -> Result<(
-    BTreeMap<String, HostTensor>,
-    Option<BTreeMap<String, HostTensor>>,
-)> {
+pub fn read_trained(dir: &Path, trained_norms: bool) -> Result<(HostTensors, Option<HostTensors>)> {
     let path = dir.join(qerl_model::ADAPTER_WEIGHTS);
     let mut lora = read_safetensors(&path)?;
     let saved: Vec<String> = lora
