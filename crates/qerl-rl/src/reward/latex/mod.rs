@@ -5,7 +5,7 @@
 //! expressions with variables).
 //!
 //! Every step is bounded: answers longer than [`MAX_ANSWER_LEN`] bytes are not parsed, the
-//! parser's nesting is bounded by [`parser::MAX_DEPTH`], and each pass over the input or the
+//! parser's nesting is bounded by [`MAX_DEPTH`], and each pass over the input or the
 //! tree is linear, so no answer can crash or stall the trainer.
 
 mod commands;
@@ -18,6 +18,10 @@ mod words;
 
 pub use equiv::{equivalent, Equivalence};
 pub use expr::{Constant, Expr, Func, Rel};
+
+/// The deepest nesting (brackets, fractions, roots, exponents, chains such as `a^b^c`) an
+/// answer may have; deeper answers are unparsable, so no input can exhaust the stack.
+pub const MAX_DEPTH: usize = parser::MAX_DEPTH;
 
 /// The longest answer (in bytes, after extraction) that is parsed. MATH-500's longest
 /// reference answers are matrices of ~200 bytes; anything far longer is not a final answer.
