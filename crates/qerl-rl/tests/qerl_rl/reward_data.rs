@@ -105,3 +105,20 @@ fn print_math500_parses() {
         }
     }
 }
+
+#[test]
+#[ignore = "prints explanations (for the docs)"]
+fn print_explanations() {
+    println!(
+        "{}",
+        explain("math", "so \\boxed{\\sqrt{452}}", "2\\sqrt{113}").unwrap()
+    );
+    println!(
+        "{}",
+        explain("gsm8k", "#### **540** dollars", "540").unwrap()
+    );
+    println!(
+        "{}",
+        explain("math", "\\boxed{5 \\text{ or 6}}", "5").unwrap()
+    );
+}
