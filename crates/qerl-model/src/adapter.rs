@@ -196,6 +196,17 @@ impl Adapter {
             ..SavedModules::default()
         };
         let weights_path = dir.join(ADAPTER_WEIGHTS);
+        let pickle = dir.join("adapter_model.bin");
+        if !weights_path.exists() && pickle.exists() {
+            return Err(config_err(
+                &pickle,
+                "(file)",
+                format!(
+                    "is a PyTorch pickle; qerl reads only {ADAPTER_WEIGHTS} (save the adapter \
+                     with safe_serialization=True, PEFT's default)"
+                ),
+            ));
+        }
         let mut modules: BTreeMap<String, Pair> = BTreeMap::new();
         for w in read_tensors(&weights_path)? {
             let lora = w.tensor.strip_prefix(PEFT_PREFIX).and_then(|rest| {

@@ -393,4 +393,16 @@ fn what_qerl_cannot_hold_is_refused_naming_the_key() {
         e.contains("norms.safetensors") && e.contains("ambiguous"),
         "{e}"
     );
+
+    // a pickled adapter is named, not read
+    std::fs::rename(
+        c.adapter.join("adapter_model.safetensors"),
+        c.adapter.join("adapter_model.bin"),
+    )
+    .unwrap();
+    let e = Adapter::open(&c.adapter).unwrap_err().to_string();
+    assert!(
+        e.contains("adapter_model.bin") && e.contains("pickle"),
+        "{e}"
+    );
 }
