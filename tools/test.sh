@@ -24,7 +24,11 @@ has_vulkan_driver() {
       compgen -G "/usr/local/share/vulkan/icd.d/*.json" >/dev/null ||
       compgen -G "/etc/vulkan/icd.d/*.json" >/dev/null || return 1
   fi
-  ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so\.1'
+  # the loader (libvulkan1); ldconfig is in /sbin, often not on a user's PATH
+  PATH="$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so\.1' ||
+    compgen -G "/usr/lib*/libvulkan.so.1" >/dev/null ||
+    compgen -G "/usr/lib/*/libvulkan.so.1" >/dev/null ||
+    compgen -G "/lib/*/libvulkan.so.1" >/dev/null
 }
 
 cannot_install() {
