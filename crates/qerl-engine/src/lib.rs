@@ -7,6 +7,9 @@
 //!   the cache, SiLU·mul, dense products for the lm_head and LoRA, device sampling).
 //! * `forward`: one pass over a flat batch of `(token, slot, position)` rows, which serves
 //!   prefill and decode alike.
+//! * [`from_model`]: the engine over a loaded or training burn model (weights shared), with
+//!   `qerl_model::generate`'s contract.
+//! * [`bench`]: the rollout benchmark on random weights of a preset shape.
 //! * [`reference`]: a host f64 decoder and random models on both sides, for the checks.
 //! * [`engine`]: the [`Engine`]: KV cache arena, prompt sharing across samples, continuous
 //!   batching, asynchronous finished flags.
@@ -14,8 +17,10 @@
 //! Everything is generic over the CubeCL runtime and the float type: bf16 on CUDA, f32/f16 on
 //! wgpu for the tests.
 
+pub mod bench;
 pub mod engine;
 mod forward;
+pub mod from_model;
 pub mod kernels;
 pub mod reference;
 pub mod shape;

@@ -230,6 +230,12 @@ impl<B: QerlBackend> Nvfp4Linear<B> {
         self.lora.as_ref()
     }
 
+    /// The frozen 4-bit weight as the backend holds it (`None` for a dense layer): an
+    /// inference engine reads the same device buffers instead of a second copy.
+    pub fn quant_weight(&self) -> Option<&B::QWeight> {
+        self.quant.as_ref().map(QuantHandle::get::<B>)
+    }
+
     /// Replaces the adapter's weights (`a [rank, d_input]`, `b [d_output, rank]`), e.g. when
     /// loading a PEFT adapter (kept as f32, see [`Lora`]). Panics on mismatched shapes or a
     /// layer without LoRA.

@@ -39,6 +39,8 @@ enum Command {
     Eval(cmd::eval::Args),
     /// Re-score a JSONL file of completions with a dataset's rewards.
     Reward(cmd::reward::Args),
+    /// Benchmarks: `qerl bench rollout` (the rollout engine on random weights of a preset shape).
+    Bench(cmd::bench::Args),
     /// Make a small math model from scratch: synthetic problems, a BPE tokenizer, supervised
     /// training of a Qwen2 model, a Hugging Face checkpoint and its held-out accuracy.
     Sft(cmd::sft::Args),
@@ -61,6 +63,7 @@ fn main() {
         Some(Command::Eval(args)) => cmd::eval::run(args),
         Some(Command::Reward(args)) => cmd::reward::run(args),
         Some(Command::Sft(args)) => cmd::sft::run(args),
+        Some(Command::Bench(args)) => cmd::bench::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {}", error_chain(&err));

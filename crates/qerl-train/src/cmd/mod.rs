@@ -1,5 +1,6 @@
 //! One module per `qerl` subcommand: each has `Args` (clap) and `run(Args) -> anyhow::Result<()>`.
 
+pub mod bench;
 pub mod convert;
 pub mod demo;
 pub mod eval;

@@ -1,0 +1,139 @@
+//! The rollout benchmark: a model of a preset shape with random weights made on the device (no
+//! checkpoint), batches of distinct random prompts, sampling at T = 1 without early stop.
+//! Reports the prefill time, the decode time per step, output tokens per second, the bytes of
+//! weights one decode step reads over its time (the bandwidth a memory-bound step achieves),
+//! and the allocator's memory.
+
+use std::time::Instant;
+
+use cubecl::prelude::*;
+
+use crate::engine::{Engine, EngineConfig, Request, Sampling};
+use crate::shape::ModelShape;
+use crate::weights::{EngineWeights, RandomPrecision};
+use crate::EngineError;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct RolloutSpec {
+    pub shape: ModelShape,
+    pub precision: RandomPrecision,
+    pub lora_rank: Option<usize>,
+    pub batches: Vec<usize>,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    pub prefill_rows: usize,
+}
+
+/// One measured batch size.
+#[derive(Clone, Debug)]
+pub struct RolloutRow {
+    pub shape: String,
+    pub precision: RandomPrecision,
+    pub batch: usize,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    /// Prompt prefill and the first sampled token.
+    pub prefill_ms: f64,
+    /// Each later token of the whole batch.
+    pub decode_ms_per_step: f64,
+    pub total_s: f64,
+    /// Generated tokens per second over the whole call (prefill included).
+    pub tokens_per_s: f64,
+    /// Generated tokens per second of the decode steps alone.
+    pub decode_tokens_per_s: f64,
+    /// Weight bytes a decode step reads, over the step time.
+    pub weight_tb_per_s: f64,
+    /// Bytes the allocator held (reserved from the driver) after the run.
+    pub reserved_mb: f64,
+    pub in_use_mb: f64,
+}
+
+/// Bytes of weights one decode step reads: the decoder's frozen weights (4.5 bits an element
+/// for NVFP4: codes and one E4M3 scale per 16) and the lm_head in `elem` bytes.
+pub fn weight_bytes(shape: &ModelShape, precision: RandomPrecision, elem: usize) -> f64 {
+    let layer = shape.layer_params() as f64;
+    let frozen = match precision {
+        RandomPrecision::Nvfp4 => layer * 4.5 / 8.0,
+        RandomPrecision::Bf16 => layer * elem as f64,
+    };
+    frozen + (shape.vocab * shape.hidden * elem) as f64
+}
+
+/// Runs every batch size of `spec` on one engine per batch (the KV cache sized for it).
+pub fn rollout<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    spec: &RolloutSpec,
+    mut progress: impl FnMut(&RolloutRow),
+) -> Result<Vec<RolloutRow>, EngineError> {
+    let weights = EngineWeights::random::<R, F>(
+        client,
+        &spec.shape,
+        spec.precision,
+        spec.lora_rank,
+        0x00C0_FFEE,
+    )?;
+    let elem = std::mem::size_of::<F>();
+    let bytes = weight_bytes(&spec.shape, spec.precision, elem);
+    let mut rows = Vec::new();
+    for &batch in &spec.batches {
+        let config = EngineConfig {
+            slots: batch,
+            capacity: spec.prompt_tokens + spec.new_tokens,
+            prefill_rows: spec
+                .prefill_rows
+                .max(spec.prompt_tokens.min(spec.prefill_rows)),
+            check_every: 16,
+        };
+        let mut engine = Engine::<R, F>::new(client.clone(), weights.clone(), config)?;
+        let requests = |new: usize| -> Vec<Request> {
+            (0..batch as u32)
+                .map(|i| Request {
+                    id: i,
+                    prompt: (0..spec.prompt_tokens as u32)
+                        .map(|p| (i.wrapping_mul(7919) ^ p.wrapping_mul(104_729)) % 30_000 + 100)
+                        .collect(),
+                    max_new_tokens: new,
+                })
+                .collect()
+        };
+        let sampling = Sampling {
+            temperature: 1.0,
+            seed: 7,
+            eos: vec![],
+        };
+        // Compile every kernel of this batch size (prefill and decode) before timing.
+        engine.generate(&requests(2), &sampling)?;
+        let t = Instant::now();
+        engine.generate(&requests(1), &sampling)?;
+        let prefill = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        engine.generate(&requests(spec.new_tokens), &sampling)?;
+        let total = t.elapsed().as_secs_f64();
+        let steps = spec.new_tokens.saturating_sub(1).max(1);
+        let step = ((total - prefill) / steps as f64).max(1e-9);
+        let usage = client.memory_usage().ok();
+        let row = RolloutRow {
+            shape: spec.shape.name.clone(),
+            precision: spec.precision,
+            batch,
+            prompt_tokens: spec.prompt_tokens,
+            new_tokens: spec.new_tokens,
+            prefill_ms: prefill * 1e3,
+            decode_ms_per_step: step * 1e3,
+            total_s: total,
+            tokens_per_s: (batch * spec.new_tokens) as f64 / total,
+            decode_tokens_per_s: batch as f64 / step,
+            weight_tb_per_s: bytes / step / 1e12,
+            reserved_mb: usage
+                .as_ref()
+                .map_or(0.0, |u| u.bytes_reserved as f64 / 1e6),
+            in_use_mb: usage.as_ref().map_or(0.0, |u| u.bytes_in_use as f64 / 1e6),
+        };
+        progress(&row);
+        rows.push(row);
+        drop(engine);
+        client.memory_cleanup();
+    }
+    Ok(rows)
+}
