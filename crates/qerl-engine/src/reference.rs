@@ -311,12 +311,12 @@ pub fn random_model<R: Runtime, F: Float + CubeElement>(
         let mut it = dev.into_iter();
         let mut nx = || it.next().unwrap();
         dev_layers.push(Layer {
-            attn_norm: up(c, &attn_norm),
+            attn_norm: up_f32(c, &attn_norm),
             q: nx(),
             k: nx(),
             v: nx(),
             o: nx(),
-            mlp_norm: up(c, &mlp_norm),
+            mlp_norm: up_f32(c, &mlp_norm),
             gate: nx(),
             up: nx(),
             down: nx(),
@@ -334,7 +334,7 @@ pub fn random_model<R: Runtime, F: Float + CubeElement>(
         shape: s.clone(),
         embed: up(c, &embed),
         layers: dev_layers,
-        final_norm: up(c, &final_norm),
+        final_norm: up_f32(c, &final_norm),
         lm_head: Some(up(c, &lm_head)),
     };
     (
@@ -347,6 +347,11 @@ pub fn random_model<R: Runtime, F: Float + CubeElement>(
         },
         weights,
     )
+}
+
+/// Norm gains: f32 on the device whatever the compute type.
+fn up_f32<R: Runtime>(c: &ComputeClient<R>, v: &[f32]) -> Handle {
+    c.create_from_slice(f32::as_bytes(v))
 }
 
 /// `v` rounded to `F` and back.

@@ -24,6 +24,7 @@ pub mod bpe;
 pub mod checkpoint;
 pub mod dist;
 pub mod dp;
+pub mod engine_rollout;
 pub mod evaluate;
 pub mod limits;
 pub mod noise;

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use qerl_model::{
-    generate, CausalLm, ChatTemplate, Completion, FinishReason, GenerationConfig, Message,
+    CausalLm, ChatTemplate, Completion, FinishReason, GenerationConfig, Message,
     QerlBackend, Tokenizer,
 };
 use qerl_rl::prompt::PromptTemplate;
@@ -74,7 +74,8 @@ pub fn sample_groups<B: QerlBackend>(
         .iter()
         .flat_map(|(_, p)| std::iter::repeat_n(p.clone(), group_size))
         .collect();
-    let out = generate(model, &batch, config, Some(tokenizer)).context("rollout generation")?;
+    let out = crate::engine_rollout::generate_rows(model, &batch, config, Some(tokenizer), 0)
+        .context("rollout generation")?;
     groups_of(out, prompts, group_size, config, tokenizer)
 }
 
@@ -97,7 +98,7 @@ pub fn sample_groups_at<B: QerlBackend>(
     let out = if batch.is_empty() {
         Vec::new()
     } else {
-        qerl_model::generate_from_row(model, &batch, config, None, first_row)
+        crate::engine_rollout::generate_rows(model, &batch, config, None, first_row)
             .context("rollout generation")?
     };
     groups_of(out, prompts, group_size, config, tokenizer)
