@@ -25,7 +25,7 @@ import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 head = rows[0]; rows = [r for r in rows[1:] if r[head.index("Metric Name")] == "gpu__time_duration.sum"]
 ki, vi, ui = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 t = collections.Counter(); n = collections.Counter()
 for r in rows:
     name = r[ki].split("(")[0][:48]
@@ -36,7 +36,7 @@ for k, v in t.most_common(12):
     print(f"  {k:48s} {n[k]:5d} launches {v/1e3:8.2f} ms")
 PY
 # 2. The engine and the burn path on the embedded model.
-for p in bf16 nvfp4; do
+for p in ${GEN_PRECISIONS:-nvfp4}; do
   for e in 1 0; do
     start=$SECONDS
     QERL_ENGINE=$e timeout -k 10 ${GEN_T:-150} /tmp/qerl generate --device cuda --model models/tiny-math --precision $p \

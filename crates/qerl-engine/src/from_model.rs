@@ -166,6 +166,8 @@ where
             "the engine samples with a temperature only (top_k = 0, top_p = 1)".into(),
         ));
     }
+    qerl_model::generate::check_new_tokens(&model.config, config.max_new_tokens)
+        .map_err(|e| EngineError::Request(e.to_string()))?;
     if !config.stop_strings.is_empty() && decoder.is_none() {
         return Err(EngineError::Request(
             "stop strings need a tokenizer to decode with".into(),

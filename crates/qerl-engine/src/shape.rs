@@ -76,7 +76,7 @@ impl ModelShape {
         self.kv_heads * self.head_dim
     }
 
-    /// Checks what the kernels assume: heads divide, even head size of at most 256, every
+    /// Checks what the kernels assume: heads divide, a head size that is a multiple of 8 and at most 256, every
     /// product's reduction a multiple of 32 (the 4-bit kernels read 32-element chunks).
     pub fn validate(&self) -> Result<(), EngineError> {
         let bad = |what: String| Err(EngineError::Shape(format!("{}: {what}", self.name)));
@@ -86,9 +86,9 @@ impl ModelShape {
                 self.q_heads, self.kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 == 1 || self.head_dim > 256 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(8) || self.head_dim > 256 {
             return bad(format!(
-                "head size {} (must be even, at most 256)",
+                "head size {} (must be a multiple of 8, at most 256)",
                 self.head_dim
             ));
         }

@@ -67,6 +67,8 @@ fn dense_products_with_segments_bias_and_lora() {
         (3, 16, 96, 3),
         (8, 40, 32, 2),
         (19, 33, 64, 1),
+        (2, 520, 96, 1),
+        (5, 300, 64, 2),
     ] {
         let x = uniform(&mut g, m * k);
         let ws: Vec<Vec<f32>> = (0..segments).map(|_| uniform(&mut g, n * k)).collect();

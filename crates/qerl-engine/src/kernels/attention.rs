@@ -18,6 +18,8 @@ use super::grid_rows;
 
 /// Positions per tile, and units per cube.
 pub const TILE: u32 = 128;
+/// Loads issued together in the inner loops (head sizes are multiples of it).
+const CHUNK: usize = 8;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -86,11 +88,19 @@ fn attention_kernel<F: Float>(
                     s[h] = 0.0f32;
                 }
                 let row = kv0 + j * head_dim;
-                for d in 0..head_dim {
-                    let kd = f32::cast_from(k_cache[row + d]);
+                // Eight channels loaded before they are used: eight loads in flight, not one.
+                for dc in 0..comptime!(head_dim / CHUNK) {
+                    let mut kd = Array::<f32>::new(CHUNK);
+                    #[unroll]
+                    for u in 0..CHUNK {
+                        kd[u] = f32::cast_from(k_cache[row + dc * CHUNK + u]);
+                    }
                     #[unroll]
                     for h in 0..group {
-                        s[h] += qs[h * head_dim + d] * kd;
+                        #[unroll]
+                        for u in 0..CHUNK {
+                            s[h] += qs[h * head_dim + dc * CHUNK + u] * kd[u];
+                        }
                     }
                 }
             }
@@ -101,17 +111,43 @@ fn attention_kernel<F: Float>(
             sync_cube();
             // Softmax statistics: one unit per head.
             if t < group {
-                let mut m_tile = f32::new(-1.0e30);
-                for i in 0..tile {
-                    m_tile = max(m_tile, ps[t * tile + i]);
+                // CHUNK independent running maxima and sums: a dependency chain of
+                // tile / CHUNK steps instead of tile.
+                let mut mx = Array::<f32>::new(CHUNK);
+                #[unroll]
+                for u in 0..CHUNK {
+                    mx[u] = f32::new(-1.0e30);
+                }
+                for i in 0..comptime!(TILE as usize / CHUNK) {
+                    #[unroll]
+                    for u in 0..CHUNK {
+                        mx[u] = max(mx[u], ps[t * tile + i * CHUNK + u]);
+                    }
+                }
+                let mut m_tile = mx[0];
+                #[unroll]
+                for u in 1..CHUNK {
+                    m_tile = max(m_tile, mx[u]);
                 }
                 let m_old = m_run[t];
                 let m_new = max(m_old, m_tile);
+                let mut sums = Array::<f32>::new(CHUNK);
+                #[unroll]
+                for u in 0..CHUNK {
+                    sums[u] = 0.0f32;
+                }
+                for i in 0..comptime!(TILE as usize / CHUNK) {
+                    #[unroll]
+                    for u in 0..CHUNK {
+                        let p = f32::exp(ps[t * tile + i * CHUNK + u] - m_new);
+                        ps[t * tile + i * CHUNK + u] = p;
+                        sums[u] += p;
+                    }
+                }
                 let mut sum = 0.0f32;
-                for i in 0..tile {
-                    let p = f32::exp(ps[t * tile + i] - m_new);
-                    ps[t * tile + i] = p;
-                    sum += p;
+                #[unroll]
+                for u in 0..CHUNK {
+                    sum += sums[u];
                 }
                 let a = f32::exp(m_old - m_new);
                 alpha[t] = a;
@@ -128,9 +164,22 @@ fn attention_kernel<F: Float>(
                     let h = idx / head_dim;
                     let d = idx % head_dim;
                     let mut o = acc[c] * alpha[h];
-                    for i in 0..valid {
-                        o += ps[h * tile + i]
-                            * f32::cast_from(v_cache[kv0 + (j0 + i) * head_dim + d]);
+                    let base = kv0 + j0 * head_dim + d;
+                    // Whole chunks of positions with their loads issued together, then the rest.
+                    let full = valid / CHUNK;
+                    for i in 0..full {
+                        let mut vv = Array::<f32>::new(CHUNK);
+                        #[unroll]
+                        for u in 0..CHUNK {
+                            vv[u] = f32::cast_from(v_cache[base + (i * CHUNK + u) * head_dim]);
+                        }
+                        #[unroll]
+                        for u in 0..CHUNK {
+                            o += ps[h * tile + i * CHUNK + u] * vv[u];
+                        }
+                    }
+                    for i in full * CHUNK..valid {
+                        o += ps[h * tile + i] * f32::cast_from(v_cache[base + i * head_dim]);
                     }
                     acc[c] = o;
                 }

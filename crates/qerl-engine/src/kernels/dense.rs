@@ -2,20 +2,25 @@
 //!
 //! Serves the lm_head (f32 logits), the LoRA down-projections (f32 `T = X·Aᵀ`, up to three
 //! adapters that share an input in one launch: q/k/v, gate/up) and the frozen weights of a BF16
-//! model when few rows are decoded. Memory-bound: a group of 32 units per output column reads
-//! the weight row once in 16-byte vectors and applies it to `MR` rows of `X`; partial sums meet
-//! in shared memory (no plane operations, so it runs on lavapipe too). Bias and a LoRA term
+//! model when few rows are decoded. Memory-bound: a group of units per output column (32, or a
+//! whole cube of 256 when there are few columns, as in a LoRA down-projection) reads the weight
+//! row once in 16-byte vectors, four loads in flight per unit, and applies it to `MR` rows of
+//! `X`; partial sums meet in shared memory (no plane operations, so it runs on lavapipe too).
+//! Bias and a LoRA term
 //! (`+ s · T·Bᵀ`) are applied in the epilogue of single-segment products.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-/// Output columns per cube (one group of [`LANES`] units each).
-const COLS: u32 = 8;
-/// Units per column.
-const LANES: u32 = 32;
+/// Units per cube.
+const UNITS: u32 = 256;
+/// Vectors a unit loads before it uses them (loads in flight per unit).
+const UNROLL: usize = 4;
 /// Most rows one cube applies a weight row to.
 pub const MAX_ROWS: usize = 8;
+/// Below this many output columns (LoRA down-projections: a few times the rank), each column
+/// gets a whole cube so that the reduction is spread over enough units to fill the device.
+const FEW_COLUMNS: usize = 512;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -36,18 +41,21 @@ fn dense_kernel<F: Float, O: Float, V: Size>(
     rank: u32,
     lora_scale: f32,
     #[comptime] mr: usize,
+    #[comptime] cols: usize,
     #[comptime] segments: usize,
     #[comptime] has_bias: bool,
     #[comptime] has_lora: bool,
 ) {
     let vs = x.vector_size();
-    let mut partial = SharedMemory::<f32>::new(comptime!(mr * (COLS * LANES) as usize));
-    let lane = UNIT_POS_X as usize;
-    let group = UNIT_POS_Y as usize;
+    let lanes = comptime!(UNITS as usize / cols);
+    let mut partial = SharedMemory::<f32>::new(comptime!(mr * UNITS as usize));
+    let tid = UNIT_POS_X as usize;
+    let lane = tid % lanes;
+    let group = tid / lanes;
     let seg = seg as usize;
     let m_rows = m_rows as usize;
     let vecs = k_dim as usize / vs;
-    let col = CUBE_POS_X as usize * COLS as usize + group;
+    let col = CUBE_POS_X as usize * cols + group;
     let m0 = CUBE_POS_Y as usize * mr;
     // Columns past the end compute on the last one and never store.
     let c = min(col, segments * seg - 1);
@@ -61,40 +69,61 @@ fn dense_kernel<F: Float, O: Float, V: Size>(
     }
     let mut v = lane;
     while v < vecs {
-        let mut wv = w0[n * vecs + v];
-        if segments > 1 {
-            if s == 1 {
-                wv = w1[n * vecs + v];
-            } else if s == 2 {
-                wv = w2[n * vecs + v];
+        // UNROLL vectors of the weight row, clamped in bounds; past the end they count zero.
+        let mut wv = Array::<Vector<F, V>>::new(UNROLL);
+        let mut keep = Array::<f32>::new(UNROLL);
+        #[unroll]
+        for u in 0..UNROLL {
+            let vu = min(v + u * lanes, vecs - 1);
+            keep[u] = select(v + u * lanes < vecs, 1.0f32, 0.0f32);
+            let mut w = w0[n * vecs + vu];
+            if segments > 1 {
+                if s == 1 {
+                    w = w1[n * vecs + vu];
+                } else if s == 2 {
+                    w = w2[n * vecs + vu];
+                }
             }
+            wv[u] = w;
         }
         #[unroll]
         for m in 0..mr {
             let row = min(m0 + m, m_rows - 1);
-            let xv = x[row * vecs + v];
-            let mut dot = 0.0f32;
             #[unroll]
-            for i in 0..vs {
-                dot += f32::cast_from(xv[i]) * f32::cast_from(wv[i]);
+            for u in 0..UNROLL {
+                let vu = min(v + u * lanes, vecs - 1);
+                let xv = x[row * vecs + vu];
+                let mut dot = 0.0f32;
+                #[unroll]
+                for i in 0..vs {
+                    dot += f32::cast_from(xv[i]) * f32::cast_from(wv[u][i]);
+                }
+                acc[m] += dot * keep[u];
             }
-            acc[m] += dot;
         }
-        v += LANES as usize;
+        v += comptime!(UNROLL) * lanes;
     }
-    let tid = group * LANES as usize + lane;
     #[unroll]
     for m in 0..mr {
-        partial[m * (COLS * LANES) as usize + tid] = acc[m];
+        partial[m * UNITS as usize + tid] = acc[m];
     }
     sync_cube();
+    // Tree sum over the lanes of each column.
+    let mut stride = CUBE_DIM_X as usize / cols / 2;
+    while stride > 0 {
+        if lane < stride {
+            #[unroll]
+            for m in 0..mr {
+                partial[m * UNITS as usize + tid] += partial[m * UNITS as usize + tid + stride];
+            }
+        }
+        sync_cube();
+        stride /= 2;
+    }
     if lane < mr {
         let m = m0 + lane;
         if m < m_rows && col < segments * seg {
-            let mut total = 0.0f32;
-            for i in 0..LANES as usize {
-                total += partial[lane * (COLS * LANES) as usize + group * LANES as usize + i];
-            }
+            let mut total = partial[lane * UNITS as usize + group * lanes];
             if has_bias {
                 total += f32::cast_from(bias[n]);
             }
@@ -166,8 +195,9 @@ pub fn dense<R: Runtime, F: Float, O: Float>(
         Some((t, b, r, s)) => (t.clone(), b.clone(), r, s),
         None => (unused.clone(), unused.clone(), 0, 0.0),
     };
+    let cols = if segments * n < FEW_COLUMNS { 1 } else { 8 };
     let count = CubeCount::Static(
-        (segments * n).div_ceil(COLS as usize) as u32,
+        (segments * n).div_ceil(cols) as u32,
         m.div_ceil(mr) as u32,
         1,
     );
@@ -177,7 +207,7 @@ pub fn dense<R: Runtime, F: Float, O: Float>(
         dense_kernel::launch_unchecked::<F, O, R>(
             client,
             count,
-            CubeDim::new_2d(LANES, COLS),
+            CubeDim::new_1d(UNITS),
             vs,
             ArrayArg::from_raw_parts(x.clone(), m * k / vs),
             ArrayArg::from_raw_parts(w(0), n * k / vs),
@@ -195,6 +225,7 @@ pub fn dense<R: Runtime, F: Float, O: Float>(
             rank as u32,
             scale,
             mr,
+            cols,
             segments,
             epilogue.bias.is_some(),
             epilogue.lora.is_some(),

@@ -10,6 +10,9 @@ use cubecl::server::Handle;
 
 use super::{grid_rows, row_of_cube, ROW_CUBE};
 
+/// Elements a unit loads before it uses them.
+const UNROLL: usize = 4;
+
 /// Tree sum of `partial[0..ROW_CUBE]` into `partial[0]`; every unit of the cube calls it.
 #[cube]
 pub(crate) fn cube_sum(partial: &mut SharedMemory<f32>) {
@@ -84,26 +87,51 @@ fn add_rms_norm_kernel<F: Float>(
         }
         let t = UNIT_POS_X as usize;
         let step = CUBE_DIM_X as usize;
+        // UNROLL elements per unit per iteration, their loads issued together (clamped in
+        // bounds; the ones past the end count zero and are not stored).
         let mut sq = 0.0f32;
-        let mut c = t;
-        while c < dim {
-            let e = summed(h, d, s * dim + c, add);
-            if add && !gather {
-                h[s * dim + c] = F::cast_from(e);
+        let mut c0 = t;
+        while c0 < dim {
+            let mut e = Array::<f32>::new(UNROLL);
+            #[unroll]
+            for u in 0..UNROLL {
+                e[u] = summed(h, d, s * dim + min(c0 + u * step, dim - 1), add);
             }
-            sq += e * e;
-            c += step;
+            #[unroll]
+            for u in 0..UNROLL {
+                let c = c0 + u * step;
+                if c < dim {
+                    if add && !gather {
+                        h[s * dim + c] = F::cast_from(e[u]);
+                    }
+                    sq += e[u] * e[u];
+                }
+            }
+            c0 += comptime!(UNROLL) * step;
         }
         partial[t] = sq;
         sync_cube();
         cube_sum(&mut partial);
         let r = 1.0f32 / f32::sqrt(partial[0] / dim as f32 + eps);
-        let mut c = t;
-        while c < dim {
+        let mut c0 = t;
+        while c0 < dim {
             // Written back above unless gathering: then the sum is taken again.
-            let e = summed(h, d, s * dim + c, add && gather);
-            y[i * dim + c] = F::cast_from(e * r * gain[c]);
-            c += step;
+            let mut e = Array::<f32>::new(UNROLL);
+            let mut g = Array::<f32>::new(UNROLL);
+            #[unroll]
+            for u in 0..UNROLL {
+                let c = min(c0 + u * step, dim - 1);
+                e[u] = summed(h, d, s * dim + c, add && gather);
+                g[u] = gain[c];
+            }
+            #[unroll]
+            for u in 0..UNROLL {
+                let c = c0 + u * step;
+                if c < dim {
+                    y[i * dim + c] = F::cast_from(e[u] * r * g[u]);
+                }
+            }
+            c0 += comptime!(UNROLL) * step;
         }
     }
 }
