@@ -137,3 +137,32 @@ fn a_bad_gemm_strategy_is_named_before_any_work() {
         "the strategy is checked first: {err}"
     );
 }
+
+#[test]
+fn reward_explain_says_what_was_read_and_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let completions = dir.path().join("c.jsonl");
+    std::fs::write(
+        &completions,
+        concat!(
+            r#"{"id": "a", "answer": "2\\sqrt{113}", "completion": "So the area is $\\boxed{\\sqrt{452}}$."}"#,
+            "\n",
+            r#"{"id": "b", "answer": "7", "completion": "The answer is 8."}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let out = qerl(&[
+        "reward",
+        "--dataset",
+        "math500",
+        "--completions",
+        completions.to_str().unwrap(),
+        "--explain",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("line 1 (id a)") && text.contains("line 2 (id b)"), "{text}");
+    assert!(text.contains("extracted:") && text.contains("why:"), "{text}");
+    assert!(text.contains("\\sqrt{452}"), "{text}");
+}

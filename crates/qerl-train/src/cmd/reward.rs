@@ -24,6 +24,10 @@ pub struct Args {
     /// Output JSONL (default: <completions>.rewards.jsonl).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Also print, for every completion and reward, what was extracted, how both sides were
+    /// read and why they matched or not.
+    #[arg(long)]
+    pub explain: bool,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -96,6 +100,14 @@ pub fn run(args: Args) -> Result<()> {
             }
         };
         let s = rewards.score(text, &answer);
+        if args.explain {
+            for name in rewards.names() {
+                // Rewards without an explanation of their own (format rewards) are skipped.
+                if let Ok(e) = qerl_rl::reward::explain(&name, text, &answer) {
+                    println!("line {} (id {}):\n{e}\n", i + 1, id.as_deref().unwrap_or("-"));
+                }
+            }
+        }
         let verdict = judge(kind, text, &answer);
         let per: serde_json::Map<String, Value> = rewards
             .names()
