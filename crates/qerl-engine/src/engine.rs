@@ -372,15 +372,19 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
     ) -> Result<(), EngineError> {
         let c = self.client.clone();
         // Distinct prompts, in order of first appearance: (prompt, source slot, all slots).
-        let mut groups: Vec<(&[u32], usize, Vec<(usize, usize)>)> = Vec::new();
+        let mut groups: Vec<PromptGroup<'_>> = Vec::new();
         let mut by_prompt: HashMap<&[u32], usize> = HashMap::new();
         for &(s, r) in admitted {
             let p = requests[r].prompt.as_slice();
             let g = *by_prompt.entry(p).or_insert_with(|| {
-                groups.push((p, s, Vec::new()));
+                groups.push(PromptGroup {
+                    prompt: p,
+                    source: s,
+                    members: Vec::new(),
+                });
                 groups.len() - 1
             });
-            groups[g].2.push((s, r));
+            groups[g].members.push((s, r));
         }
         // Slot state: position of the last prompt token (sampling advances it), counts, ids.
         let slots: Vec<u32> = admitted.iter().map(|&(s, _)| s as u32).collect();
@@ -425,7 +429,7 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
             let mut index = Vec::new();
             let mut slot_of = Vec::new();
             for &(g, row) in ends.iter() {
-                for &(s, _) in &groups[g].2 {
+                for &(s, _) in &groups[g].members {
                     index.push(row as u32);
                     slot_of.push(s as u32);
                 }
@@ -453,10 +457,10 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
             // Copy each finished group's cache to its other slots (before any sampling step).
             let (mut src, mut dst, mut len) = (Vec::new(), Vec::new(), Vec::new());
             for &(g, _) in ends.iter() {
-                for &(sl, _) in groups[g].2.iter().skip(1) {
-                    src.push(groups[g].1 as u32);
+                for &(sl, _) in groups[g].members.iter().skip(1) {
+                    src.push(groups[g].source as u32);
                     dst.push(sl as u32);
-                    len.push(groups[g].0.len() as u32);
+                    len.push(groups[g].prompt.len() as u32);
                 }
             }
             if !src.is_empty() {
@@ -500,7 +504,8 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
             ends.clear();
             Ok(())
         };
-        for (g, (prompt, src_slot, _)) in groups.iter().enumerate() {
+        for (g, group) in groups.iter().enumerate() {
+            let (prompt, src_slot) = (group.prompt, &group.source);
             for (p, &tok) in prompt.iter().enumerate() {
                 if rows.len() == self.config.prefill_rows {
                     flush(self, &mut rows, &mut ends)?;
@@ -511,6 +516,14 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
         }
         flush(self, &mut rows, &mut ends)
     }
+}
+
+/// A distinct prompt among the requests admitted together: prefilled once into `source`, its
+/// cache copied to the other `members` (`(slot, request)` pairs, `source`'s first).
+struct PromptGroup<'a> {
+    prompt: &'a [u32],
+    source: usize,
+    members: Vec<(usize, usize)>,
 }
 
 /// A device read of the finished flags, collected one check interval after it was enqueued.

@@ -16,6 +16,8 @@ use crate::shape::ModelShape;
 use crate::EngineError;
 
 /// A frozen `[n, k]` weight.
+// Seven per layer: the size of a `DeviceWeight` (five handles) is not worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum Frozen {
     /// 4 bits an element (NVFP4, MXFP4 or NF4), decoded inside the product kernels.
