@@ -162,7 +162,13 @@ fn reward_explain_says_what_was_read_and_why() {
     ]);
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("line 1 (id a)") && text.contains("line 2 (id b)"), "{text}");
-    assert!(text.contains("extracted:") && text.contains("why:"), "{text}");
+    assert!(
+        text.contains("line 1 (id a)") && text.contains("line 2 (id b)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("extracted:") && text.contains("why:"),
+        "{text}"
+    );
     assert!(text.contains("\\sqrt{452}"), "{text}");
 }

@@ -15,9 +15,9 @@ use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use qerl_model::generate::truncate_at_stop;
 use qerl_model::{
-    config::eos_token_ids, load_with_adapter, Adapter, CausalLm, ChatTemplate,
-    FinishReason, GenerationConfig, GenerationDefaults, LoadOptions, Message, Precision,
-    QerlBackend, SamplingParams, Tokenizer,
+    config::eos_token_ids, load_with_adapter, Adapter, CausalLm, ChatTemplate, FinishReason,
+    GenerationConfig, GenerationDefaults, LoadOptions, Message, Precision, QerlBackend,
+    SamplingParams, Tokenizer,
 };
 use serde_json::{json, Value};
 
@@ -284,7 +284,8 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
     };
     let start = Instant::now();
     qerl_model::check_context(&model.config, &prompts, config.max_new_tokens)?;
-    let out = qerl_train::engine_rollout::generate_rows(model, &prompts, &config, Some(tokenizer), 0)?;
+    let out =
+        qerl_train::engine_rollout::generate_rows(model, &prompts, &config, Some(tokenizer), 0)?;
     let secs = start.elapsed().as_secs_f64();
     let new_tokens: usize = out.iter().map(|c| c.tokens.len()).sum();
     eprintln!(

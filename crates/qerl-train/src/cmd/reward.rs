@@ -104,7 +104,11 @@ pub fn run(args: Args) -> Result<()> {
             for name in rewards.names() {
                 // Rewards without an explanation of their own (format rewards) are skipped.
                 if let Ok(e) = qerl_rl::reward::explain(&name, text, &answer) {
-                    println!("line {} (id {}):\n{e}\n", i + 1, id.as_deref().unwrap_or("-"));
+                    println!(
+                        "line {} (id {}):\n{e}\n",
+                        i + 1,
+                        id.as_deref().unwrap_or("-")
+                    );
                 }
             }
         }

@@ -2,8 +2,8 @@
 
 use anyhow::{Context, Result};
 use qerl_model::{
-    CausalLm, ChatTemplate, Completion, FinishReason, GenerationConfig, Message,
-    QerlBackend, Tokenizer,
+    CausalLm, ChatTemplate, Completion, FinishReason, GenerationConfig, Message, QerlBackend,
+    Tokenizer,
 };
 use qerl_rl::prompt::PromptTemplate;
 use qerl_rl::reward::{BatchScores, RewardSet};
