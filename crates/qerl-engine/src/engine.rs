@@ -311,6 +311,7 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
                 &state,
                 sampling.temperature,
                 sampling.seed,
+                &self.ws.sample_scratch,
             );
             self.stats.decode_steps += 1;
             for (_, gen) in occupant.iter_mut().flatten() {
@@ -498,6 +499,7 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
                     state,
                     sampling.temperature,
                     sampling.seed,
+                    &this.ws.sample_scratch,
                 );
             }
             rows.clear();

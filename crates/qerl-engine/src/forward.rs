@@ -13,10 +13,11 @@ use cubecl::server::Handle;
 use qerl_kernels::gemm::{self, LoraEpilogue};
 
 use crate::kernels::act::silu_mul;
-use crate::kernels::attention::{attention, AttentionShape};
+use crate::kernels::attention::{attention, AttentionScratch, AttentionShape};
 use crate::kernels::dense::{self, dense, DenseEpilogue};
 use crate::kernels::norm::{add_rms_norm, embed};
 use crate::kernels::rope::{rope_kv, RopeShape};
+use crate::kernels::sample::SampleScratch;
 use crate::weights::{EngineWeights, Frozen, Linear};
 use crate::EngineError;
 
@@ -41,6 +42,10 @@ pub(crate) struct Workspace {
     /// `[logit_rows, vocab]` f32.
     pub logits: Handle,
     pub logit_rows: usize,
+    /// Partial outputs of the attention split along the sequence.
+    pub attn_scratch: AttentionScratch,
+    /// Per-chunk results of sampling the `logit_rows` rows.
+    pub sample_scratch: SampleScratch,
 }
 
 impl Workspace {
@@ -70,6 +75,14 @@ impl Workspace {
             xf: buf(logit_rows * s.hidden),
             logits: client.empty(logit_rows * s.vocab * 4),
             logit_rows,
+            attn_scratch: AttentionScratch::new(
+                client,
+                s.q_heads,
+                s.kv_heads,
+                s.head_dim,
+                AttentionScratch::target_for(client),
+            ),
+            sample_scratch: SampleScratch::new(client, logit_rows, s.vocab),
         }
     }
 }
@@ -151,7 +164,16 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             v_cache,
         );
         attention::<R, F>(
-            client, att, &ws.q, k_cache, v_cache, p.slot, p.pos, &ws.attn,
+            client,
+            att,
+            &ws.q,
+            k_cache,
+            v_cache,
+            p.slot,
+            p.pos,
+            &ws.attn,
+            &ws.attn_scratch,
+            None,
         );
         linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.t)?;
         add_rms_norm::<R, F>(

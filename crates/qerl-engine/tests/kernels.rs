@@ -4,10 +4,11 @@
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
-use qerl_engine::kernels::attention::{attention, AttentionShape};
+use qerl_engine::kernels::attention::{attention, AttentionScratch, AttentionShape};
 use qerl_engine::kernels::dense::{dense, DenseEpilogue};
 use qerl_engine::kernels::norm::add_rms_norm;
 use qerl_engine::kernels::rope::{rope_kv, rope_tables, RopeShape};
+use qerl_engine::kernels::sample::{sample, SampleScratch, SlotState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -184,7 +185,6 @@ fn rope_kv_write_then_grouped_attention_over_the_cache() {
         max_positions: cap,
     };
     rope_kv::<R, f32>(&c, rs, &qh, &kh, &vh, &slh, &ph, &ch, &sh, &kch, &vch);
-    let out = nan(&c, m * q_heads * hd);
     let ash = AttentionShape {
         rows: m,
         q_heads,
@@ -193,7 +193,16 @@ fn rope_kv_write_then_grouped_attention_over_the_cache() {
         capacity: cap,
         slots,
     };
-    attention::<R, f32>(&c, ash, &qh, &kch, &vch, &slh, &ph, &out);
+    // Unsplit, split in two and three spans (the last one past some rows' context), the plan.
+    let scratch = AttentionScratch::new(&c, q_heads, kv_heads, hd, 12);
+    let outs: Vec<(Option<usize>, Handle)> = [Some(1), Some(2), Some(3), None]
+        .into_iter()
+        .map(|splits| {
+            let out = nan(&c, m * q_heads * hd);
+            attention::<R, f32>(&c, ash, &qh, &kch, &vch, &slh, &ph, &out, &scratch, splits);
+            (splits, out)
+        })
+        .collect();
 
     // Host: rotate, write, attend.
     let rot = |x: &[f32], p: usize| -> Vec<f64> {
@@ -250,7 +259,117 @@ fn rope_kv_write_then_grouped_attention_over_the_cache() {
             }
         }
     }
-    assert_close("attention", &read(&c, &out), &want, seed);
+    for (splits, out) in &outs {
+        assert_close(
+            &format!("attention, splits {splits:?}"),
+            &read(&c, out),
+            &want,
+            seed,
+        );
+    }
     let kc2 = read(&c, &kch);
     assert_close("k cache", &kc2, &kh_host, seed);
+}
+
+/// The device's counter-based random bits, on the host (murmur3's finalizer chained).
+fn hash4(seed: u32, a: u32, b: u32, c: u32, d: u32) -> u32 {
+    let mix = |x: u32| {
+        let mut h = x;
+        h ^= h >> 16;
+        h = h.wrapping_mul(0x85eb_ca6b);
+        h ^= h >> 13;
+        h = h.wrapping_mul(0xc2b2_ae35);
+        h ^ (h >> 16)
+    };
+    let mut h = mix(seed ^ 0x9e37_79b9);
+    h = mix(h ^ a);
+    h = mix(h ^ b.wrapping_mul(0x27d4_eb2f));
+    h = mix(h ^ c.wrapping_mul(0x1656_67b1));
+    mix(h ^ d.wrapping_mul(0x9e37_79b1))
+}
+
+#[test]
+fn sampling_over_vocabulary_chunks_matches_the_host() {
+    let c = client();
+    let (mut g, seed) = rng();
+    // Five chunks of the vocabulary, the last one partial; rows map to slots out of order.
+    let (vocab, slots) = (10_000usize, 4usize);
+    let slot_of = [2u32, 0, 3];
+    let rows = slot_of.len();
+    for temperature in [0.0f32, 0.7] {
+        let logits: Vec<f32> = (0..rows * vocab)
+            .map(|_| g.random_range(-4.0f32..4.0))
+            .collect();
+        let generated: Vec<u32> = (0..slots as u32).map(|i| 3 + i).collect();
+        let rng_id: Vec<u32> = (0..slots as u32).map(|i| 100 + 7 * i).collect();
+        let request: Vec<u32> = (0..slots as u32).collect();
+        let cap_new = 16;
+        let state = SlotState {
+            tokens: up_u32(&c, &vec![0; slots]),
+            pos: up_u32(&c, &vec![5; slots]),
+            generated: up_u32(&c, &generated),
+            done: up_u32(&c, &vec![0; slots]),
+            request: up_u32(&c, &request),
+            rng_id: up_u32(&c, &rng_id),
+            max_new: up_u32(&c, &vec![cap_new as u32; slots]),
+            out_tokens: up_u32(&c, &vec![u32::MAX; slots * cap_new]),
+            out_logprob: nan(&c, slots * cap_new),
+            slots,
+            requests: slots,
+            capacity_new: cap_new,
+        };
+        let scratch = SampleScratch::new(&c, rows, vocab);
+        let sample_seed = 1234u32;
+        sample(
+            &c,
+            &up(&c, &logits),
+            rows,
+            vocab,
+            &up_u32(&c, &slot_of),
+            &up_u32(&c, &[u32::MAX]),
+            0,
+            &state,
+            temperature,
+            sample_seed,
+            &scratch,
+        );
+        let tokens = u32::from_bytes(&c.read_one(state.out_tokens.clone()).unwrap()).to_vec();
+        let logprob = read(&c, &state.out_logprob);
+        let inv_t = if temperature > 0.0 {
+            1.0 / temperature as f64
+        } else {
+            1.0
+        };
+        for (i, &slot) in slot_of.iter().enumerate() {
+            let slot = slot as usize;
+            let x: Vec<f64> = logits[i * vocab..(i + 1) * vocab]
+                .iter()
+                .map(|&l| l as f64 * inv_t)
+                .collect();
+            let key = |v: usize| {
+                if temperature == 0.0 {
+                    return x[v];
+                }
+                let h = hash4(sample_seed, rng_id[slot], generated[slot], v as u32, 7);
+                let u = ((h >> 8) as f64 + 0.5) / 16_777_216.0;
+                x[v] - (-u.ln()).ln()
+            };
+            let want = (0..vocab)
+                .max_by(|&a, &b| key(a).total_cmp(&key(b)).then(b.cmp(&a)))
+                .unwrap();
+            let mx = x.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = mx + x.iter().map(|v| (v - mx).exp()).sum::<f64>().ln();
+            let at = slot * cap_new + generated[slot] as usize;
+            assert_eq!(
+                tokens[at] as usize, want,
+                "T {temperature}, row {i}: token, seed {seed}"
+            );
+            let lp = x[want] - lse;
+            assert!(
+                (logprob[at] as f64 - lp).abs() < 1e-4 * (1.0 + lp.abs()),
+                "T {temperature}, row {i}: log-prob {} vs {lp}, seed {seed}",
+                logprob[at]
+            );
+        }
+    }
 }

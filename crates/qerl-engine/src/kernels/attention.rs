@@ -1,59 +1,83 @@
-//! Decode/prefill attention over the KV cache with grouped queries.
+//! Decode/prefill attention over the KV cache with grouped queries, split along the sequence.
 //!
-//! One cube per (row, key-value head): the `group` query heads that share a key-value head are
-//! handled together, so each key and value is read once per row, not once per query head. A row
-//! at position `p` of slot `s` attends to the cache positions `0..=p` of slot `s` (causal by
-//! construction: prefill rows write their keys before this kernel runs, and no row reads past
-//! its own position; a position past the context scores −1e30, whose exponential is 0), in tiles of [`TILE`] positions with an online softmax in f32:
-//! per tile, each unit scores one position against every query head of the group, one unit per
-//! head takes the tile's maximum and exponentials, and the units accumulate `P·V` for their
-//! (head, channel) pairs, rescaling by `exp(m_old − m_new)`. Only filled positions are read.
-//! Not yet split along the sequence (flash-decoding) for long contexts: one cube walks the whole
-//! context of its row.
+//! One cube per (row, key-value head, split): the `group` query heads that share a key-value
+//! head are handled together, so each key and value is read once per row, not once per query
+//! head. A row at position `p` of slot `s` attends to the cache positions `0..=p` of slot `s`
+//! (causal by construction: prefill rows write their keys before this kernel runs, and no row
+//! reads past its own position). Only filled positions are read.
+//!
+//! Within a cube, positions go in tiles of [`TILE`] (one unit per position) with an online
+//! softmax in f32: each unit scores its position against every query head of the group (the key
+//! row read in 16-byte vectors, eight in flight), one unit per head takes the tile's maximum and
+//! exponentials, then each unit accumulates `P·V` for its channels of every head of the group
+//! (each value read once for all the heads, [`PV_BATCH`] positions in flight), rescaling by
+//! `exp(m_old − m_new)`.
+//!
+//! Split (flash-decoding): when rows × key-value heads alone would leave most multiprocessors
+//! idle (decode at small batch, long contexts), the context is cut into `splits` spans of whole
+//! tiles, each cube writes its unnormalised output and its `(max, sum)` per head to a scratch
+//! buffer, and [`combine`](combine_kernel) merges the spans: `o = Σ e^(m_s−M) o_s / Σ e^(m_s−M)
+//! l_s`. A span past a row's context writes `(−1e30, 0)` and weighs nothing.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::grid_rows;
+use super::{grid_rows, row_of_cube};
 
 /// Positions per tile, and units per cube.
-pub const TILE: u32 = 128;
-/// Loads issued together in the inner loops (head sizes are multiples of it).
-const CHUNK: usize = 8;
+pub const TILE: u32 = 64;
+/// Key vectors (16 bytes each) loaded before they are used.
+const K_BATCH: usize = 8;
+/// Value positions loaded before they are used.
+const PV_BATCH: usize = 16;
+/// Score of a position outside the span (its exponential is 0).
+const MASKED: f32 = -1.0e30;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn attention_kernel<F: Float>(
+fn attention_kernel<F: Float, V: Size>(
     q: &Array<F>,
-    k_cache: &Array<F>,
+    k_cache: &Array<Vector<F, V>>,
     v_cache: &Array<F>,
     slot: &Array<u32>,
     pos: &Array<u32>,
     out: &mut Array<F>,
+    part_o: &mut Array<f32>,
+    part_ml: &mut Array<f32>,
     rows: u32,
     kv_heads: u32,
     capacity: u32,
+    span: u32,
+    splits: u32,
     scale: f32,
     #[comptime] group: usize,
     #[comptime] head_dim: usize,
+    #[comptime] split: bool,
 ) {
     let tile = TILE as usize;
-    let pairs = comptime!((group * head_dim).div_ceil(TILE as usize));
+    let vs = k_cache.vector_size();
+    let kvecs = comptime!(head_dim / vs);
+    // Channels per unit in P·V: head_dim / TILE, rounded up.
+    let dch = comptime!(head_dim.div_ceil(TILE as usize));
     let mut qs = SharedMemory::<f32>::new(comptime!(group * head_dim));
     let mut ps = SharedMemory::<f32>::new(comptime!(group * TILE as usize));
     let mut m_run = SharedMemory::<f32>::new(group);
     let mut l_run = SharedMemory::<f32>::new(group);
     let mut alpha = SharedMemory::<f32>::new(group);
 
-    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let cube = row_of_cube();
     let kv_heads = kv_heads as usize;
-    let r = cube / kv_heads;
-    let kvh = cube % kv_heads;
+    let splits = splits as usize;
+    let r = cube / (kv_heads * splits);
+    let kvh = (cube / splits) % kv_heads;
+    let sp = cube % splits;
     // The whole cube takes the same branch, so the barriers inside are uniform.
     if r < rows as usize {
         let t = UNIT_POS_X as usize;
         let capacity = capacity as usize;
         let len = pos[r] as usize + 1;
+        let begin = sp * span as usize;
+        let end = min(begin + span as usize, len);
         let q_heads = kv_heads * group;
         let q0 = (r * q_heads + kvh * group) * head_dim;
         let mut i = t;
@@ -62,44 +86,50 @@ fn attention_kernel<F: Float>(
             i += tile;
         }
         if t < group {
-            m_run[t] = f32::new(-1.0e30);
+            m_run[t] = MASKED;
             l_run[t] = 0.0f32;
         }
         let kv0 = (slot[r] as usize * kv_heads + kvh) * capacity * head_dim;
-        let mut acc = Array::<f32>::new(pairs);
+        let mut acc = Array::<f32>::new(comptime!(group * dch));
         #[unroll]
-        for c in 0..pairs {
+        for c in 0..group * dch {
             acc[c] = 0.0f32;
         }
         sync_cube();
 
-        let mut j0 = 0usize;
-        while j0 < len {
+        let mut j0 = begin;
+        while j0 < end {
             // Scores: unit t takes position j0 + t for every head of the group.
             let j = j0 + t;
             let mut s = Array::<f32>::new(group);
             #[unroll]
             for h in 0..group {
-                s[h] = f32::new(-1.0e30);
+                s[h] = MASKED;
             }
-            if j < len {
+            if j < end {
                 #[unroll]
                 for h in 0..group {
                     s[h] = 0.0f32;
                 }
-                let row = kv0 + j * head_dim;
-                // Eight channels loaded before they are used: eight loads in flight, not one.
-                for dc in 0..comptime!(head_dim / CHUNK) {
-                    let mut kd = Array::<f32>::new(CHUNK);
+                let row = (kv0 + j * head_dim) / vs;
+                for b in 0..comptime!(kvecs.div_ceil(K_BATCH)) {
+                    let mut kv = Array::<Vector<F, V>>::new(K_BATCH);
                     #[unroll]
-                    for u in 0..CHUNK {
-                        kd[u] = f32::cast_from(k_cache[row + dc * CHUNK + u]);
+                    for u in 0..K_BATCH {
+                        kv[u] = k_cache[row + min(b * K_BATCH + u, kvecs - 1)];
                     }
                     #[unroll]
-                    for h in 0..group {
-                        #[unroll]
-                        for u in 0..CHUNK {
-                            s[h] += qs[h * head_dim + dc * CHUNK + u] * kd[u];
+                    for u in 0..K_BATCH {
+                        if b * K_BATCH + u < kvecs {
+                            let d0 = (b * K_BATCH + u) * vs;
+                            #[unroll]
+                            for e in 0..vs {
+                                let kf = f32::cast_from(kv[u][e]);
+                                #[unroll]
+                                for h in 0..group {
+                                    s[h] += qs[h * head_dim + d0 + e] * kf;
+                                }
+                            }
                         }
                     }
                 }
@@ -109,44 +139,42 @@ fn attention_kernel<F: Float>(
                 ps[h * tile + t] = s[h];
             }
             sync_cube();
-            // Softmax statistics: one unit per head.
+            // Softmax statistics: one unit per head, eight running maxima and sums.
             if t < group {
-                // CHUNK independent running maxima and sums: a dependency chain of
-                // tile / CHUNK steps instead of tile.
-                let mut mx = Array::<f32>::new(CHUNK);
+                let mut mx = Array::<f32>::new(8usize);
                 #[unroll]
-                for u in 0..CHUNK {
-                    mx[u] = f32::new(-1.0e30);
+                for u in 0..8usize {
+                    mx[u] = MASKED;
                 }
-                for i in 0..comptime!(TILE as usize / CHUNK) {
+                for i in 0..comptime!(TILE as usize / 8) {
                     #[unroll]
-                    for u in 0..CHUNK {
-                        mx[u] = max(mx[u], ps[t * tile + i * CHUNK + u]);
+                    for u in 0..8usize {
+                        mx[u] = max(mx[u], ps[t * tile + i * 8 + u]);
                     }
                 }
                 let mut m_tile = mx[0];
                 #[unroll]
-                for u in 1..CHUNK {
+                for u in 1..8usize {
                     m_tile = max(m_tile, mx[u]);
                 }
                 let m_old = m_run[t];
                 let m_new = max(m_old, m_tile);
-                let mut sums = Array::<f32>::new(CHUNK);
+                let mut sums = Array::<f32>::new(8usize);
                 #[unroll]
-                for u in 0..CHUNK {
+                for u in 0..8usize {
                     sums[u] = 0.0f32;
                 }
-                for i in 0..comptime!(TILE as usize / CHUNK) {
+                for i in 0..comptime!(TILE as usize / 8) {
                     #[unroll]
-                    for u in 0..CHUNK {
-                        let p = f32::exp(ps[t * tile + i * CHUNK + u] - m_new);
-                        ps[t * tile + i * CHUNK + u] = p;
+                    for u in 0..8usize {
+                        let p = f32::exp(ps[t * tile + i * 8 + u] - m_new);
+                        ps[t * tile + i * 8 + u] = p;
                         sums[u] += p;
                     }
                 }
                 let mut sum = 0.0f32;
                 #[unroll]
-                for u in 0..CHUNK {
+                for u in 0..8usize {
                     sum += sums[u];
                 }
                 let a = f32::exp(m_old - m_new);
@@ -155,45 +183,96 @@ fn attention_kernel<F: Float>(
                 m_run[t] = m_new;
             }
             sync_cube();
-            // P·V for this unit's (head, channel) pairs.
-            let valid = min(tile, len - j0);
+            // P·V: unit t owns channels t, t + TILE, ... of every head; each value is read once.
+            let valid = min(tile, end - j0);
             #[unroll]
-            for c in 0..pairs {
-                let idx = t + c * tile;
-                if idx < group * head_dim {
-                    let h = idx / head_dim;
-                    let d = idx % head_dim;
-                    let mut o = acc[c] * alpha[h];
+            for c in 0..dch {
+                let d = t + c * tile;
+                if d < head_dim {
+                    #[unroll]
+                    for h in 0..group {
+                        acc[h * dch + c] *= alpha[h];
+                    }
                     let base = kv0 + j0 * head_dim + d;
-                    // Whole chunks of positions with their loads issued together, then the rest.
-                    let full = valid / CHUNK;
-                    for i in 0..full {
-                        let mut vv = Array::<f32>::new(CHUNK);
+                    let mut i0 = 0usize;
+                    while i0 < valid {
+                        let mut vv = Array::<f32>::new(PV_BATCH);
                         #[unroll]
-                        for u in 0..CHUNK {
-                            vv[u] = f32::cast_from(v_cache[base + (i * CHUNK + u) * head_dim]);
+                        for u in 0..PV_BATCH {
+                            // Past the span: a valid position's value, weighted 0 below.
+                            let iu = min(i0 + u, valid - 1);
+                            vv[u] = f32::cast_from(v_cache[base + iu * head_dim]);
                         }
                         #[unroll]
-                        for u in 0..CHUNK {
-                            o += ps[h * tile + i * CHUNK + u] * vv[u];
+                        for u in 0..PV_BATCH {
+                            if i0 + u < valid {
+                                #[unroll]
+                                for h in 0..group {
+                                    acc[h * dch + c] += ps[h * tile + i0 + u] * vv[u];
+                                }
+                            }
                         }
+                        i0 += PV_BATCH;
                     }
-                    for i in full * CHUNK..valid {
-                        o += ps[h * tile + i] * f32::cast_from(v_cache[base + i * head_dim]);
-                    }
-                    acc[c] = o;
                 }
             }
             sync_cube();
             j0 += tile;
         }
         #[unroll]
-        for c in 0..pairs {
-            let idx = t + c * tile;
-            if idx < group * head_dim {
-                let h = idx / head_dim;
-                out[q0 + idx] = F::cast_from(acc[c] / l_run[h]);
+        for c in 0..dch {
+            let d = t + c * tile;
+            if d < head_dim {
+                #[unroll]
+                for h in 0..group {
+                    if split {
+                        part_o[(cube * group + h) * head_dim + d] = acc[h * dch + c];
+                    } else {
+                        out[q0 + h * head_dim + d] = F::cast_from(acc[h * dch + c] / l_run[h]);
+                    }
+                }
             }
+        }
+        if split && t < group {
+            part_ml[(cube * group + t) * 2] = m_run[t];
+            part_ml[(cube * group + t) * 2 + 1] = l_run[t];
+        }
+    }
+}
+
+/// Merges the spans of each (row, key-value head): one cube each, a unit per (head, channel).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn combine_kernel<F: Float>(
+    part_o: &Array<f32>,
+    part_ml: &Array<f32>,
+    out: &mut Array<F>,
+    pairs: u32,
+    splits: u32,
+    #[comptime] group: usize,
+    #[comptime] head_dim: usize,
+) {
+    let cube = row_of_cube();
+    if cube < pairs as usize {
+        let splits = splits as usize;
+        let mut i = UNIT_POS_X as usize;
+        while i < group * head_dim {
+            let h = i / head_dim;
+            let d = i % head_dim;
+            let mut m = f32::new(MASKED);
+            for s in 0..splits {
+                m = max(m, part_ml[((cube * splits + s) * group + h) * 2]);
+            }
+            let mut l = 0.0f32;
+            let mut o = 0.0f32;
+            for s in 0..splits {
+                let at = (cube * splits + s) * group + h;
+                let w = f32::exp(part_ml[at * 2] - m);
+                l += w * part_ml[at * 2 + 1];
+                o += w * part_o[at * head_dim + d];
+            }
+            out[cube * group * head_dim + i] = F::cast_from(o / l);
+            i += TILE as usize;
         }
     }
 }
@@ -209,8 +288,70 @@ pub struct AttentionShape {
     pub slots: usize,
 }
 
+/// Scratch of the split attention: partial outputs and `(max, sum)` of up to `cubes` cubes,
+/// allocated once per engine.
+#[derive(Debug)]
+pub struct AttentionScratch {
+    part_o: Handle,
+    part_ml: Handle,
+    cubes: usize,
+    /// Cubes the split aims for (about two per multiprocessor).
+    target: usize,
+}
+
+impl AttentionScratch {
+    /// Room for twice `target` cubes of `q_heads / kv_heads` heads of `head_dim` channels
+    /// (a split only happens when rows × key-value heads is below `target`).
+    pub fn new<R: Runtime>(
+        client: &ComputeClient<R>,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        target: usize,
+    ) -> Self {
+        let group = q_heads / kv_heads.max(1);
+        let cubes = 2 * target.max(1);
+        AttentionScratch {
+            part_o: client.empty(cubes * group * head_dim * 4),
+            part_ml: client.empty(cubes * group * 2 * 4),
+            cubes,
+            target: target.max(1),
+        }
+    }
+
+    /// The default target: two cubes per multiprocessor of this device.
+    pub fn target_for<R: Runtime>(client: &ComputeClient<R>) -> usize {
+        let sms = client
+            .properties()
+            .hardware
+            .num_streaming_multiprocessors
+            .unwrap_or(32)
+            .max(1) as usize;
+        2 * sms
+    }
+
+    /// Splits for `rows` rows: enough to reach the target, at most one per tile of the
+    /// capacity, within the scratch.
+    pub fn splits(&self, s: &AttentionShape) -> usize {
+        let base = (s.rows * s.kv_heads).max(1);
+        let by_capacity = s.capacity.div_ceil(TILE as usize).max(1);
+        let want = self.target.div_ceil(base).min(by_capacity);
+        want.min(self.cubes / base).max(1)
+    }
+}
+
+/// The widest vector (at most 16 bytes) of `F` that divides `n`.
+fn vector_width<F: Float>(n: usize) -> usize {
+    let mut v = (16 / std::mem::size_of::<F>()).max(1);
+    while v > 1 && !n.is_multiple_of(v) {
+        v /= 2;
+    }
+    v
+}
+
 /// `out [rows, q_heads·D] = softmax(q·Kᵀ/√D)·V` over each row's filled cache positions
-/// `0..=pos[r]` of slot `slot[r]`.
+/// `0..=pos[r]` of slot `slot[r]`. The context is split over `splits` cubes per (row,
+/// key-value head) (`None`: the scratch's plan; 1: no split) and the spans merged after.
 #[allow(clippy::too_many_arguments)]
 pub fn attention<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -221,29 +362,66 @@ pub fn attention<R: Runtime, F: Float>(
     slot: &Handle,
     pos: &Handle,
     out: &Handle,
+    scratch: &AttentionScratch,
+    splits: Option<usize>,
 ) {
     let d = s.head_dim;
     let cache = s.slots * s.kv_heads * s.capacity * d;
     let group = s.q_heads / s.kv_heads;
+    let vs = vector_width::<F>(d);
+    let base = s.rows * s.kv_heads;
+    let splits = splits.unwrap_or_else(|| scratch.splits(&s)).max(1);
+    let split = splits > 1;
+    assert!(
+        !split || base * splits <= scratch.cubes,
+        "attention: {splits} splits of {base} cubes exceed the scratch ({} cubes)",
+        scratch.cubes
+    );
+    // Spans of whole tiles.
+    let span = s.capacity.div_ceil(splits).div_ceil(TILE as usize) * TILE as usize;
+    // Unsplit, the scratch is bound but never written.
+    let (part_o, part_ml) = (scratch.part_o.clone(), scratch.part_ml.clone());
+    let part_len = if split { base * splits * group } else { 1 };
     // SAFETY: buffers sized by the engine from these shapes; positions below `capacity`,
-    // slots below `slots`, `q_heads` a multiple of `kv_heads` (checked by the model shape).
+    // slots below `slots`, `q_heads` a multiple of `kv_heads` (checked by the model shape);
+    // the scratch holds `base * splits` cubes (asserted above) and is only written when split.
     unsafe {
         attention_kernel::launch_unchecked::<F, R>(
             client,
-            grid_rows(s.rows * s.kv_heads),
+            grid_rows(base * splits),
             CubeDim::new_1d(TILE),
+            vs,
             ArrayArg::from_raw_parts(q.clone(), s.rows * s.q_heads * d),
-            ArrayArg::from_raw_parts(k_cache.clone(), cache),
+            ArrayArg::from_raw_parts(k_cache.clone(), cache / vs),
             ArrayArg::from_raw_parts(v_cache.clone(), cache),
             ArrayArg::from_raw_parts(slot.clone(), s.rows),
             ArrayArg::from_raw_parts(pos.clone(), s.rows),
             ArrayArg::from_raw_parts(out.clone(), s.rows * s.q_heads * d),
+            ArrayArg::from_raw_parts(part_o.clone(), part_len * d),
+            ArrayArg::from_raw_parts(part_ml.clone(), part_len * 2),
             s.rows as u32,
             s.kv_heads as u32,
             s.capacity as u32,
+            span as u32,
+            splits as u32,
             1.0f32 / (d as f32).sqrt(),
             group,
             d,
+            split,
         );
+        if split {
+            combine_kernel::launch_unchecked::<F, R>(
+                client,
+                grid_rows(base),
+                CubeDim::new_1d(TILE),
+                ArrayArg::from_raw_parts(part_o, part_len * d),
+                ArrayArg::from_raw_parts(part_ml, part_len * 2),
+                ArrayArg::from_raw_parts(out.clone(), s.rows * s.q_heads * d),
+                base as u32,
+                splits as u32,
+                group,
+                d,
+            );
+        }
     }
 }

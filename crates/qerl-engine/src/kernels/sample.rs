@@ -6,8 +6,9 @@
 //! drawn from a counter-based hash of `(seed, request id, token index, vocabulary id)`. The draw
 //! of a sequence therefore depends only on its request and step, never on which other sequences
 //! share the batch or which slot it landed in. `T = 0` is greedy (ties to the lowest id).
-//! One cube per row: each unit scans a strided part of the vocabulary keeping its best key and
-//! an online log-sum-exp, and the cube reduces both in shared memory.
+//! Two launches: one cube per (row, chunk of the vocabulary) keeps its best key and an online
+//! log-sum-exp (so a batch of one row still spreads over the device), then one cube per row
+//! merges its chunks and advances the slot.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -22,25 +23,68 @@ fn lse_rescaled(m1: f32, s1: f32, m2: f32, s2: f32, m: f32) -> f32 {
     s1 * f32::exp(m1 - m) + s2 * f32::exp(m2 - m)
 }
 
+/// Vocabulary entries one cube of [`partial_kernel`] scans (eight per unit).
+pub const CHUNK: usize = ROW_CUBE as usize * 8;
+
+/// The best key (and its id) and the log-sum-exp `(m, s)` of this unit's values, reduced over
+/// the cube in shared memory; unit 0 ends with the cube's.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn reduce_cube(
+    best_key: &mut SharedMemory<f32>,
+    best_id: &mut SharedMemory<u32>,
+    lse_m: &mut SharedMemory<f32>,
+    lse_s: &mut SharedMemory<f32>,
+    key: f32,
+    id: u32,
+    m: f32,
+    s: f32,
+) {
+    let t = UNIT_POS_X as usize;
+    best_key[t] = key;
+    best_id[t] = id;
+    lse_m[t] = m;
+    lse_s[t] = s;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if t < stride {
+            let k2 = best_key[t + stride];
+            let i2 = best_id[t + stride];
+            if k2 > best_key[t] || (k2 == best_key[t] && i2 < best_id[t]) {
+                best_key[t] = k2;
+                best_id[t] = i2;
+            }
+            let m_new = max(lse_m[t], lse_m[t + stride]);
+            lse_s[t] = lse_rescaled(
+                lse_m[t],
+                lse_s[t],
+                lse_m[t + stride],
+                lse_s[t + stride],
+                m_new,
+            );
+            lse_m[t] = m_new;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+}
+
+/// One cube per (row, chunk of [`CHUNK`] vocabulary entries): the chunk's best Gumbel key and
+/// its id, and its log-sum-exp, into `part_f [rows, chunks, 3]` (key, m, s) and
+/// `part_id [rows, chunks]`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn sample_kernel(
+fn partial_kernel(
     logits: &Array<f32>,
     slot_of: &Array<u32>,
-    eos: &Array<u32>,
-    tokens: &mut Array<u32>,
-    pos: &mut Array<u32>,
-    generated: &mut Array<u32>,
-    done: &mut Array<u32>,
-    request: &Array<u32>,
+    generated: &Array<u32>,
     rng_id: &Array<u32>,
-    max_new: &Array<u32>,
-    out_tokens: &mut Array<u32>,
-    out_logprob: &mut Array<f32>,
+    part_f: &mut Array<f32>,
+    part_id: &mut Array<u32>,
     rows: u32,
     vocab: u32,
-    n_eos: u32,
-    capacity_new: u32,
+    chunks: u32,
     inv_temperature: f32,
     seed: u32,
     #[comptime] greedy: bool,
@@ -49,7 +93,10 @@ fn sample_kernel(
     let mut best_id = SharedMemory::<u32>::new(ROW_CUBE as usize);
     let mut lse_m = SharedMemory::<f32>::new(ROW_CUBE as usize);
     let mut lse_s = SharedMemory::<f32>::new(ROW_CUBE as usize);
-    let i = row_of_cube();
+    let cube = row_of_cube();
+    let chunks = chunks as usize;
+    let i = cube / chunks;
+    let c = cube % chunks;
     if i < rows as usize {
         let t = UNIT_POS_X as usize;
         let vocab = vocab as usize;
@@ -60,8 +107,9 @@ fn sample_kernel(
         let mut id = 0u32;
         let mut m = f32::new(-3.0e38);
         let mut s = 0.0f32;
-        let mut v = t;
-        while v < vocab {
+        let end = min((c + 1) * CHUNK, vocab);
+        let mut v = c * CHUNK + t;
+        while v < end {
             let x = logits[i * vocab + v] * inv_temperature;
             let m_new = max(m, x);
             s = lse_rescaled(m, s, x, 1.0f32, m_new);
@@ -78,33 +126,90 @@ fn sample_kernel(
             }
             v += ROW_CUBE as usize;
         }
-        best_key[t] = key;
-        best_id[t] = id;
-        lse_m[t] = m;
-        lse_s[t] = s;
-        sync_cube();
-        let mut stride = CUBE_DIM_X as usize / 2;
-        while stride > 0 {
-            if t < stride {
-                let k2 = best_key[t + stride];
-                let i2 = best_id[t + stride];
-                if k2 > best_key[t] || (k2 == best_key[t] && i2 < best_id[t]) {
-                    best_key[t] = k2;
-                    best_id[t] = i2;
-                }
-                let m_new = max(lse_m[t], lse_m[t + stride]);
-                lse_s[t] = lse_rescaled(
-                    lse_m[t],
-                    lse_s[t],
-                    lse_m[t + stride],
-                    lse_s[t + stride],
-                    m_new,
-                );
-                lse_m[t] = m_new;
-            }
-            sync_cube();
-            stride /= 2;
+        reduce_cube(
+            &mut best_key,
+            &mut best_id,
+            &mut lse_m,
+            &mut lse_s,
+            key,
+            id,
+            m,
+            s,
+        );
+        if t == 0 {
+            part_f[cube * 3] = best_key[0];
+            part_f[cube * 3 + 1] = lse_m[0];
+            part_f[cube * 3 + 2] = lse_s[0];
+            part_id[cube] = best_id[0];
         }
+    }
+}
+
+/// One cube per row: merges the row's chunks, then records the token and advances the slot.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn sample_kernel(
+    logits: &Array<f32>,
+    part_f: &Array<f32>,
+    part_id: &Array<u32>,
+    slot_of: &Array<u32>,
+    eos: &Array<u32>,
+    tokens: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    generated: &mut Array<u32>,
+    done: &mut Array<u32>,
+    request: &Array<u32>,
+    max_new: &Array<u32>,
+    out_tokens: &mut Array<u32>,
+    out_logprob: &mut Array<f32>,
+    rows: u32,
+    vocab: u32,
+    chunks: u32,
+    n_eos: u32,
+    capacity_new: u32,
+    inv_temperature: f32,
+) {
+    let mut best_key = SharedMemory::<f32>::new(ROW_CUBE as usize);
+    let mut best_id = SharedMemory::<u32>::new(ROW_CUBE as usize);
+    let mut lse_m = SharedMemory::<f32>::new(ROW_CUBE as usize);
+    let mut lse_s = SharedMemory::<f32>::new(ROW_CUBE as usize);
+    let i = row_of_cube();
+    if i < rows as usize {
+        let t = UNIT_POS_X as usize;
+        let vocab = vocab as usize;
+        let chunks = chunks as usize;
+        let slot = slot_of[i] as usize;
+        let gen = generated[slot];
+        let mut key = f32::new(-3.0e38);
+        let mut id = 0u32;
+        let mut m = f32::new(-3.0e38);
+        let mut s = 0.0f32;
+        // Chunks in increasing order per unit: ties keep the lowest id.
+        let mut c = t;
+        while c < chunks {
+            let at = i * chunks + c;
+            let k2 = part_f[at * 3];
+            let i2 = part_id[at];
+            if k2 > key || (k2 == key && i2 < id) {
+                key = k2;
+                id = i2;
+            }
+            let m2 = part_f[at * 3 + 1];
+            let m_new = max(m, m2);
+            s = lse_rescaled(m, s, m2, part_f[at * 3 + 2], m_new);
+            m = m_new;
+            c += ROW_CUBE as usize;
+        }
+        reduce_cube(
+            &mut best_key,
+            &mut best_id,
+            &mut lse_m,
+            &mut lse_s,
+            key,
+            id,
+            m,
+            s,
+        );
         if t == 0 && done[slot] == 0u32 {
             let tok = best_id[0];
             let logprob =
@@ -124,6 +229,28 @@ fn sample_kernel(
             generated[slot] = gen + 1u32;
             tokens[slot] = tok;
             pos[slot] = pos[slot] + 1u32;
+        }
+    }
+}
+
+/// The per-chunk results of [`sample`] for up to `rows` logits rows, allocated once.
+#[derive(Debug)]
+pub struct SampleScratch {
+    part_f: Handle,
+    part_id: Handle,
+    rows: usize,
+    chunks: usize,
+}
+
+impl SampleScratch {
+    pub fn new<R: Runtime>(client: &ComputeClient<R>, rows: usize, vocab: usize) -> Self {
+        let chunks = vocab.div_ceil(CHUNK).max(1);
+        let n = rows.max(1) * chunks;
+        SampleScratch {
+            part_f: client.empty(n * 3 * 4),
+            part_id: client.empty(n * 4),
+            rows: rows.max(1),
+            chunks,
         }
     }
 }
@@ -162,7 +289,13 @@ pub fn sample<R: Runtime>(
     state: &SlotState,
     temperature: f32,
     seed: u32,
+    scratch: &SampleScratch,
 ) {
+    assert!(
+        rows <= scratch.rows && vocab.div_ceil(CHUNK) == scratch.chunks,
+        "sample: {rows} rows of {vocab} logits exceed the scratch"
+    );
+    let chunks = scratch.chunks;
     let greedy = temperature <= 0.0;
     let inv_t = if greedy { 1.0 } else { 1.0 / temperature };
     let n = state.slots;
@@ -172,11 +305,30 @@ pub fn sample<R: Runtime>(
     // slot's generated count reach `capacity_new` before it is finished (max_new <=
     // capacity_new).
     unsafe {
+        partial_kernel::launch_unchecked::<R>(
+            client,
+            grid_rows(rows * chunks),
+            CubeDim::new_1d(ROW_CUBE),
+            ArrayArg::from_raw_parts(logits.clone(), rows * vocab),
+            ArrayArg::from_raw_parts(slot_of.clone(), rows),
+            ArrayArg::from_raw_parts(state.generated.clone(), n),
+            ArrayArg::from_raw_parts(state.rng_id.clone(), n),
+            ArrayArg::from_raw_parts(scratch.part_f.clone(), rows * chunks * 3),
+            ArrayArg::from_raw_parts(scratch.part_id.clone(), rows * chunks),
+            rows as u32,
+            vocab as u32,
+            chunks as u32,
+            inv_t,
+            seed,
+            greedy,
+        );
         sample_kernel::launch_unchecked::<R>(
             client,
             grid_rows(rows),
             CubeDim::new_1d(ROW_CUBE),
             ArrayArg::from_raw_parts(logits.clone(), rows * vocab),
+            ArrayArg::from_raw_parts(scratch.part_f.clone(), rows * chunks * 3),
+            ArrayArg::from_raw_parts(scratch.part_id.clone(), rows * chunks),
             ArrayArg::from_raw_parts(slot_of.clone(), rows),
             ArrayArg::from_raw_parts(eos.clone(), n_eos.max(1)),
             ArrayArg::from_raw_parts(state.tokens.clone(), n),
@@ -184,17 +336,15 @@ pub fn sample<R: Runtime>(
             ArrayArg::from_raw_parts(state.generated.clone(), n),
             ArrayArg::from_raw_parts(state.done.clone(), n),
             ArrayArg::from_raw_parts(state.request.clone(), n),
-            ArrayArg::from_raw_parts(state.rng_id.clone(), n),
             ArrayArg::from_raw_parts(state.max_new.clone(), n),
             ArrayArg::from_raw_parts(state.out_tokens.clone(), out),
             ArrayArg::from_raw_parts(state.out_logprob.clone(), out),
             rows as u32,
             vocab as u32,
+            chunks as u32,
             n_eos as u32,
             state.capacity_new as u32,
             inv_t,
-            seed,
-            greedy,
         );
     }
 }
