@@ -46,3 +46,14 @@ done
 # Wall time per step without ncu, same shapes.
 timeout -k 10 ${BENCH_T:-200} /tmp/qerl bench rollout --shape ${SHAPE:-qwen2.5-7b} --precision ${PRECISION:-nvfp4} \
   --batch $(IFS=,; echo "${batches[*]}") --prompt 256 --new-tokens ${BENCH_NEW:-128} 2>&1 | tail -14
+# Details of chosen kernels (DETAIL="regex:batch ...", e.g. "gemv:1 tc_:64"): occupancy,
+# registers, throughput and warp stalls of a few launches of the steady decode.
+for spec in ${DETAIL:-}; do
+  re=${spec%%:*}; b=${spec##*:}
+  timeout -k 10 ${DETAIL_T:-120} ncu --clock-control none --kernel-name regex:$re --launch-skip ${DETAIL_SKIP:-300} --launch-count 3 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    /tmp/qerl bench rollout --shape ${SHAPE:-qwen2.5-7b} --precision ${PRECISION:-nvfp4} --batch $b \
+    --prompt 256 --new-tokens 8 --no-check > "$OUT/detail-$re-$b.txt" 2>&1
+  echo "== detail $re batch $b"
+  grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit Registers|Grid Size|Block Size|Warp Cycles Per Issued|Issue Slots Busy|Shared Memory Configuration Size|Dynamic Shared|L1/TEX Hit|L2 Hit|Executed Ipc A|stall|Stall" "$OUT/detail-$re-$b.txt" | head -${DETAIL_LINES:-60}
+done

@@ -153,9 +153,16 @@ fn residual_add_and_rms_norm_with_gather() {
 
 #[test]
 fn rope_kv_write_then_grouped_attention_over_the_cache() {
+    // Small heads; a group of four at 64 channels; Qwen2.5-7B's group of seven at 128.
+    for (q_heads, kv_heads, hd) in [(6, 2, 16), (8, 2, 64), (14, 2, 128)] {
+        rope_then_attention(q_heads, kv_heads, hd);
+    }
+}
+
+fn rope_then_attention(q_heads: usize, kv_heads: usize, hd: usize) {
     let c = client();
     let (mut g, seed) = rng();
-    let (q_heads, kv_heads, hd, slots, cap) = (6, 2, 16, 3, 150);
+    let (slots, cap) = (3, 150);
     let inv_freq: Vec<f32> = (0..hd / 2)
         .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / hd as f32))
         .collect();

@@ -6,12 +6,12 @@
 //! (causal by construction: prefill rows write their keys before this kernel runs, and no row
 //! reads past its own position). Only filled positions are read.
 //!
-//! Within a cube, positions go in tiles of [`TILE`] (one unit per position) with an online
-//! softmax in f32: each unit scores its position against every query head of the group (the key
-//! row read in 16-byte vectors, eight in flight), one unit per head takes the tile's maximum and
-//! exponentials, then each unit accumulates `P·V` for its channels of every head of the group
-//! (each value read once for all the heads, [`PV_BATCH`] positions in flight), rescaling by
-//! `exp(m_old − m_new)`.
+//! Within a cube, positions go in tiles of [`TILE`] with an online softmax in f32: four units
+//! score each position, each over a quarter of the channels, against every query head of the
+//! group (keys read in 16-byte vectors), one unit per head takes the tile's maximum and
+//! exponentials, then each unit accumulates `P·V` for its (head, channel) pairs ([`PV_BATCH`]
+//! values in flight), rescaling by `exp(m_old − m_new)`. [`UNITS`] units per cube keep each
+//! unit's chain of dependent steps short: at decode a cube's latency is the step's.
 //!
 //! Split (flash-decoding): when rows × key-value heads alone would leave most multiprocessors
 //! idle (decode at small batch, long contexts), the context is cut into `splits` spans of whole
@@ -24,10 +24,15 @@ use cubecl::server::Handle;
 
 use super::{grid_rows, row_of_cube};
 
-/// Positions per tile, and units per cube.
+/// Positions per tile.
 pub const TILE: u32 = 64;
+/// Units per cube: [`QUARTERS`] units score each position of a tile, each over a quarter of
+/// the head's channels, so that one unit's chain of dependent steps stays short.
+pub const UNITS: u32 = 256;
+/// Units per position in the scores (`UNITS / TILE`).
+const QUARTERS: usize = 4;
 /// Key vectors (16 bytes each) loaded before they are used.
-const K_BATCH: usize = 8;
+const K_BATCH: usize = 4;
 /// Value positions loaded before they are used.
 const PV_BATCH: usize = 16;
 /// Score of a position outside the span (its exponential is 0).
@@ -55,11 +60,14 @@ fn attention_kernel<F: Float, V: Size>(
     #[comptime] split: bool,
 ) {
     let tile = TILE as usize;
+    let units = UNITS as usize;
     let vs = k_cache.vector_size();
-    let kvecs = comptime!(head_dim / vs);
-    // Channels per unit in P·V: head_dim / TILE, rounded up.
-    let dch = comptime!(head_dim.div_ceil(TILE as usize));
+    // Key vectors of one quarter of a head.
+    let qvecs = comptime!(head_dim / QUARTERS / vs);
+    // (head, channel) pairs of the group per unit in P·V, rounded up.
+    let pairs = comptime!((group * head_dim).div_ceil(UNITS as usize));
     let mut qs = SharedMemory::<f32>::new(comptime!(group * head_dim));
+    let mut sq = SharedMemory::<f32>::new(comptime!(QUARTERS * group * TILE as usize));
     let mut ps = SharedMemory::<f32>::new(comptime!(group * TILE as usize));
     let mut m_run = SharedMemory::<f32>::new(group);
     let mut l_run = SharedMemory::<f32>::new(group);
@@ -83,45 +91,44 @@ fn attention_kernel<F: Float, V: Size>(
         let mut i = t;
         while i < group * head_dim {
             qs[i] = f32::cast_from(q[q0 + i]) * scale;
-            i += tile;
+            i += units;
         }
         if t < group {
             m_run[t] = MASKED;
             l_run[t] = 0.0f32;
         }
         let kv0 = (slot[r] as usize * kv_heads + kvh) * capacity * head_dim;
-        let mut acc = Array::<f32>::new(comptime!(group * dch));
+        let mut acc = Array::<f32>::new(pairs);
         #[unroll]
-        for c in 0..group * dch {
+        for c in 0..pairs {
             acc[c] = 0.0f32;
         }
+        // Score unit: a position of the tile and a quarter of the channels.
+        let p = t % tile;
+        let quarter = t / tile;
+        let d_begin = quarter * comptime!(head_dim / QUARTERS);
         sync_cube();
 
         let mut j0 = begin;
         while j0 < end {
-            // Scores: unit t takes position j0 + t for every head of the group.
-            let j = j0 + t;
+            let j = j0 + p;
             let mut s = Array::<f32>::new(group);
             #[unroll]
             for h in 0..group {
-                s[h] = MASKED;
+                s[h] = 0.0f32;
             }
             if j < end {
-                #[unroll]
-                for h in 0..group {
-                    s[h] = 0.0f32;
-                }
-                let row = (kv0 + j * head_dim) / vs;
-                for b in 0..comptime!(kvecs.div_ceil(K_BATCH)) {
+                let row = (kv0 + j * head_dim + d_begin) / vs;
+                for b in 0..comptime!(qvecs.div_ceil(K_BATCH)) {
                     let mut kv = Array::<Vector<F, V>>::new(K_BATCH);
                     #[unroll]
                     for u in 0..K_BATCH {
-                        kv[u] = k_cache[row + min(b * K_BATCH + u, kvecs - 1)];
+                        kv[u] = k_cache[row + min(b * K_BATCH + u, qvecs - 1)];
                     }
                     #[unroll]
                     for u in 0..K_BATCH {
-                        if b * K_BATCH + u < kvecs {
-                            let d0 = (b * K_BATCH + u) * vs;
+                        if b * K_BATCH + u < qvecs {
+                            let d0 = d_begin + (b * K_BATCH + u) * vs;
                             #[unroll]
                             for e in 0..vs {
                                 let kf = f32::cast_from(kv[u][e]);
@@ -136,7 +143,24 @@ fn attention_kernel<F: Float, V: Size>(
             }
             #[unroll]
             for h in 0..group {
-                ps[h * tile + t] = s[h];
+                sq[(quarter * group + h) * tile + p] = s[h];
+            }
+            sync_cube();
+            // The quarters summed: one unit per (head, position) pair.
+            let mut i = t;
+            while i < group * tile {
+                let h = i / tile;
+                let pp = i % tile;
+                let mut total = f32::new(MASKED);
+                if j0 + pp < end {
+                    total = 0.0f32;
+                    #[unroll]
+                    for qd in 0..QUARTERS {
+                        total += sq[(qd * group + h) * tile + pp];
+                    }
+                }
+                ps[i] = total;
+                i += units;
             }
             sync_cube();
             // Softmax statistics: one unit per head, eight running maxima and sums.
@@ -167,9 +191,9 @@ fn attention_kernel<F: Float, V: Size>(
                 for i in 0..comptime!(TILE as usize / 8) {
                     #[unroll]
                     for u in 0..8usize {
-                        let p = f32::exp(ps[t * tile + i * 8 + u] - m_new);
-                        ps[t * tile + i * 8 + u] = p;
-                        sums[u] += p;
+                        let e = f32::exp(ps[t * tile + i * 8 + u] - m_new);
+                        ps[t * tile + i * 8 + u] = e;
+                        sums[u] += e;
                     }
                 }
                 let mut sum = 0.0f32;
@@ -183,16 +207,15 @@ fn attention_kernel<F: Float, V: Size>(
                 m_run[t] = m_new;
             }
             sync_cube();
-            // P·V: unit t owns channels t, t + TILE, ... of every head; each value is read once.
+            // P·V for this unit's (head, channel) pairs, PV_BATCH values in flight.
             let valid = min(tile, end - j0);
             #[unroll]
-            for c in 0..dch {
-                let d = t + c * tile;
-                if d < head_dim {
-                    #[unroll]
-                    for h in 0..group {
-                        acc[h * dch + c] *= alpha[h];
-                    }
+            for c in 0..pairs {
+                let idx = t + c * units;
+                if idx < group * head_dim {
+                    let h = idx / head_dim;
+                    let d = idx % head_dim;
+                    let mut o = acc[c] * alpha[h];
                     let base = kv0 + j0 * head_dim + d;
                     let mut i0 = 0usize;
                     while i0 < valid {
@@ -206,30 +229,26 @@ fn attention_kernel<F: Float, V: Size>(
                         #[unroll]
                         for u in 0..PV_BATCH {
                             if i0 + u < valid {
-                                #[unroll]
-                                for h in 0..group {
-                                    acc[h * dch + c] += ps[h * tile + i0 + u] * vv[u];
-                                }
+                                o += ps[h * tile + i0 + u] * vv[u];
                             }
                         }
                         i0 += PV_BATCH;
                     }
+                    acc[c] = o;
                 }
             }
             sync_cube();
             j0 += tile;
         }
         #[unroll]
-        for c in 0..dch {
-            let d = t + c * tile;
-            if d < head_dim {
-                #[unroll]
-                for h in 0..group {
-                    if split {
-                        part_o[(cube * group + h) * head_dim + d] = acc[h * dch + c];
-                    } else {
-                        out[q0 + h * head_dim + d] = F::cast_from(acc[h * dch + c] / l_run[h]);
-                    }
+        for c in 0..pairs {
+            let idx = t + c * units;
+            if idx < group * head_dim {
+                let h = idx / head_dim;
+                if split {
+                    part_o[cube * group * head_dim + idx] = acc[c];
+                } else {
+                    out[q0 + idx] = F::cast_from(acc[c] / l_run[h]);
                 }
             }
         }
@@ -240,39 +259,73 @@ fn attention_kernel<F: Float, V: Size>(
     }
 }
 
-/// Merges the spans of each (row, key-value head): one cube each, a unit per (head, channel).
+/// Merges the spans: one cube per (row, query head), the span weights `e^(m_s − M)` computed
+/// once in shared memory, then a unit per channel sums the weighted partial outputs.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn combine_kernel<F: Float>(
     part_o: &Array<f32>,
     part_ml: &Array<f32>,
     out: &mut Array<F>,
-    pairs: u32,
+    heads: u32,
     splits: u32,
     #[comptime] group: usize,
     #[comptime] head_dim: usize,
+    #[comptime] max_splits: usize,
 ) {
+    let mut w = SharedMemory::<f32>::new(max_splits);
+    let mut lw = SharedMemory::<f32>::new(max_splits);
     let cube = row_of_cube();
-    if cube < pairs as usize {
+    // Cube = (row, kv head, h): the partials of (row, kv head) are `splits` cubes apart.
+    if cube < heads as usize {
+        let t = UNIT_POS_X as usize;
         let splits = splits as usize;
-        let mut i = UNIT_POS_X as usize;
-        while i < group * head_dim {
-            let h = i / head_dim;
-            let d = i % head_dim;
-            let mut m = f32::new(MASKED);
-            for s in 0..splits {
-                m = max(m, part_ml[((cube * splits + s) * group + h) * 2]);
+        let pair = cube / group;
+        let h = cube % group;
+        if t < splits {
+            w[t] = part_ml[((pair * splits + t) * group + h) * 2];
+        }
+        sync_cube();
+        let mut m = f32::new(MASKED);
+        for s in 0..splits {
+            m = max(m, w[s]);
+        }
+        sync_cube();
+        if t < splits {
+            let at = (pair * splits + t) * group + h;
+            let e = f32::exp(part_ml[at * 2] - m);
+            w[t] = e;
+            lw[t] = e * part_ml[at * 2 + 1];
+        }
+        sync_cube();
+        let mut l = 0.0f32;
+        for s in 0..splits {
+            l += lw[s];
+        }
+        let mut d = t;
+        while d < head_dim {
+            let mut o = Array::<f32>::new(8usize);
+            #[unroll]
+            for u in 0..8usize {
+                o[u] = 0.0f32;
             }
-            let mut l = 0.0f32;
-            let mut o = 0.0f32;
-            for s in 0..splits {
-                let at = (cube * splits + s) * group + h;
-                let w = f32::exp(part_ml[at * 2] - m);
-                l += w * part_ml[at * 2 + 1];
-                o += w * part_o[at * head_dim + d];
+            let mut s0 = 0usize;
+            while s0 < splits {
+                #[unroll]
+                for u in 0..8usize {
+                    let s = min(s0 + u, splits - 1);
+                    let keep = select(s0 + u < splits, w[s], 0.0f32);
+                    o[u] += keep * part_o[((pair * splits + s) * group + h) * head_dim + d];
+                }
+                s0 += 8;
             }
-            out[cube * group * head_dim + i] = F::cast_from(o / l);
-            i += TILE as usize;
+            let mut total = 0.0f32;
+            #[unroll]
+            for u in 0..8usize {
+                total += o[u];
+            }
+            out[cube * head_dim + d] = F::cast_from(total / l);
+            d += UNITS as usize;
         }
     }
 }
@@ -287,6 +340,9 @@ pub struct AttentionShape {
     pub capacity: usize,
     pub slots: usize,
 }
+
+/// Most spans one (row, key-value head) is cut into.
+pub const MAX_SPLITS: usize = UNITS as usize;
 
 /// Scratch of the split attention: partial outputs and `(max, sum)` of up to `cubes` cubes,
 /// allocated once per engine.
@@ -336,7 +392,7 @@ impl AttentionScratch {
         let base = (s.rows * s.kv_heads).max(1);
         let by_capacity = s.capacity.div_ceil(TILE as usize).max(1);
         let want = self.target.div_ceil(base).min(by_capacity);
-        want.min(self.cubes / base).max(1)
+        want.min(self.cubes / base).clamp(1, MAX_SPLITS)
     }
 }
 
@@ -368,12 +424,12 @@ pub fn attention<R: Runtime, F: Float>(
     let d = s.head_dim;
     let cache = s.slots * s.kv_heads * s.capacity * d;
     let group = s.q_heads / s.kv_heads;
-    let vs = vector_width::<F>(d);
+    let vs = vector_width::<F>(d / QUARTERS);
     let base = s.rows * s.kv_heads;
     let splits = splits.unwrap_or_else(|| scratch.splits(&s)).max(1);
     let split = splits > 1;
     assert!(
-        !split || base * splits <= scratch.cubes,
+        !split || (base * splits <= scratch.cubes && splits <= MAX_SPLITS),
         "attention: {splits} splits of {base} cubes exceed the scratch ({} cubes)",
         scratch.cubes
     );
@@ -389,7 +445,7 @@ pub fn attention<R: Runtime, F: Float>(
         attention_kernel::launch_unchecked::<F, R>(
             client,
             grid_rows(base * splits),
-            CubeDim::new_1d(TILE),
+            CubeDim::new_1d(UNITS),
             vs,
             ArrayArg::from_raw_parts(q.clone(), s.rows * s.q_heads * d),
             ArrayArg::from_raw_parts(k_cache.clone(), cache / vs),
@@ -412,15 +468,16 @@ pub fn attention<R: Runtime, F: Float>(
         if split {
             combine_kernel::launch_unchecked::<F, R>(
                 client,
-                grid_rows(base),
-                CubeDim::new_1d(TILE),
+                grid_rows(base * group),
+                CubeDim::new_1d(UNITS),
                 ArrayArg::from_raw_parts(part_o, part_len * d),
                 ArrayArg::from_raw_parts(part_ml, part_len * 2),
                 ArrayArg::from_raw_parts(out.clone(), s.rows * s.q_heads * d),
-                base as u32,
+                (base * group) as u32,
                 splits as u32,
                 group,
                 d,
+                MAX_SPLITS,
             );
         }
     }
