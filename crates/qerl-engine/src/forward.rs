@@ -262,6 +262,32 @@ fn linears<R: Runtime, F: Float>(
             }
         }
     }
+    // 4-bit weights sharing the input: one decode launch for all where the kernel takes them.
+    let quant: Vec<gemm::SegmentProduct<'_>> = layers
+        .iter()
+        .enumerate()
+        .zip(outputs)
+        .filter_map(|((i, l), y)| match &l.weight {
+            Frozen::Quant(wq) => Some(gemm::SegmentProduct {
+                weight: wq,
+                bias: l.bias.as_ref(),
+                lora: l.lora.as_ref().map(|a| LoraEpilogue {
+                    t: &t[i],
+                    b: &a.b,
+                    rank: a.rank,
+                    scale: a.scale,
+                }),
+                y,
+            }),
+            Frozen::Dense(_) => None,
+        })
+        .collect();
+    if layers.len() > 1
+        && quant.len() == layers.len()
+        && gemm::matmul_segments::<R, F>(client, x, m, &quant)?
+    {
+        return Ok(());
+    }
     for ((i, l), y) in layers.iter().enumerate().zip(outputs) {
         let lora = l.lora.as_ref().map(|a| (&t[i], &a.b, a.rank, a.scale));
         match &l.weight {

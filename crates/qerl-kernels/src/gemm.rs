@@ -484,6 +484,59 @@ pub fn matmul<R: Runtime, F: Float>(
     Ok(())
 }
 
+/// One product of [`matmul_segments`]: `y = x · deq(W)ᵀ (+ bias) (+ LoRA)`.
+pub struct SegmentProduct<'a> {
+    pub weight: &'a DeviceWeight,
+    pub bias: Option<&'a Handle>,
+    pub lora: Option<LoraEpilogue<'a>>,
+    pub y: &'a Handle,
+}
+
+/// Two or three [`matmul`]s of one input `x [M, K]` (q/k/v, gate/up) as one decode launch when
+/// the decode kernel takes them all (few rows, same format, `K` and epilogue terms, none split):
+/// returns `Ok(false)` without launching anything otherwise, for the caller to run them one by
+/// one. One launch instead of three fills the device where each alone would not.
+pub fn matmul_segments<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    products: &[SegmentProduct<'_>],
+) -> Result<bool, KernelError> {
+    let Some(first) = products.first() else {
+        return Ok(false);
+    };
+    if m == 0 {
+        return Err(shape_err("matmul_segments", "M = 0".into()));
+    }
+    let k = first.weight.k;
+    let segs: Vec<crate::gemv::Segment<'_>> = products
+        .iter()
+        .map(|p| crate::gemv::Segment {
+            weight: p.weight,
+            bias: p.bias,
+            lora: p.lora.as_ref().map(|l| (l.t, l.b, l.rank, l.scale)),
+            y: p.y,
+        })
+        .collect();
+    if !crate::gemv::segments_apply(client, m, &segs, tensor_cores::<R, F>(client, m, k)) {
+        return Ok(false);
+    }
+    check_buffer("matmul_segments", "x", x, bytes_of::<F>(m * k))?;
+    for p in products {
+        let n = p.weight.n;
+        check_buffer("matmul_segments", "y", p.y, bytes_of::<F>(m * n))?;
+        if let Some(b) = p.bias {
+            check_buffer("matmul_segments", "bias", b, bytes_of::<F>(n))?;
+        }
+        if let Some(l) = &p.lora {
+            check_buffer("matmul_segments", "LoRA T", l.t, bytes_of::<f32>(m * l.rank))?;
+            check_buffer("matmul_segments", "LoRA B", l.b, bytes_of::<F>(n * l.rank))?;
+        }
+    }
+    crate::gemv::launch_segments::<R, F>(client, x, m, &segs);
+    Ok(true)
+}
+
 /// `dX[M, K] = dY[M, N] · deq(W)[N, K]`: the input gradient of [`matmul`], with no dense `W`.
 pub fn matmul_transposed<R: Runtime, F: Float>(
     client: &ComputeClient<R>,

@@ -31,7 +31,7 @@ const WORDS: usize = 4;
 /// Fewest chunks per K-slice (two per unit).
 const MIN_SPLIT_CHUNKS: usize = 64;
 /// Planes per multiprocessor the split aims for (about 4 KiB of loads in flight each).
-const PLANES_PER_SM: usize = 16;
+const PLANES_PER_SM: usize = 32;
 
 /// Largest M the decode kernel takes.
 pub(crate) const MAX_M: usize = 16;
@@ -48,19 +48,23 @@ pub fn set_decode_max_m(max: usize) {
     DECODE_MAX_M.store(max.min(MAX_M), Ordering::Relaxed);
 }
 
-#[cube(launch_unchecked)]
+/// The product of one weight by the cube at `cube_x` of its own grid; the code table is
+/// already in `lut`, and the block-scale table is loaded into `stab` here.
+#[cube]
 #[allow(clippy::too_many_arguments)]
-fn gemv_kernel<F: Float, V: Size, W: Size>(
+fn gemv_body<F: Float, V: Size, W: Size>(
     x: &Array<Vector<F, V>>,
     codes: &Array<Vector<u32, W>>,
     scale_bytes: &Array<u32>,
     scale_table: &Array<f32>,
-    code_table: &Array<f32>,
     bias: &Array<F>,
     lora_t: &Array<f32>,
     lora_b: &Array<F>,
     y: &mut Array<F>,
     part: &mut Array<f32>,
+    lut: &SharedMemory<f32>,
+    stab: &mut SharedMemory<f32>,
+    cube_x: usize,
     n_cols: u32,
     k_dim: u32,
     split_chunks: u32,
@@ -74,13 +78,8 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
     #[comptime] split: bool,
     #[comptime] plane: usize,
 ) {
-    let mut lut = SharedMemory::<f32>::new(16usize);
-    let mut stab = SharedMemory::<f32>::new(256usize);
     let lane = UNIT_POS_X as usize;
     let tid = UNIT_POS_Y as usize * plane + lane;
-    if tid < 16 {
-        lut[tid] = code_table[tid];
-    }
     if byte_scales {
         let mut i = tid;
         while i < 256 {
@@ -92,7 +91,7 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
 
     let n_cols = n_cols as usize;
     let k_dim = k_dim as usize;
-    let n0 = (CUBE_POS_X as usize * PLANES as usize + UNIT_POS_Y as usize) * ROWS;
+    let n0 = (cube_x * PLANES as usize + UNIT_POS_Y as usize) * ROWS;
     let chunks = k_dim / (8 * WORDS);
     let c_begin = CUBE_POS_Y as usize * split_chunks as usize;
     let c_end = min(c_begin + split_chunks as usize, chunks);
@@ -204,6 +203,144 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
     }
 }
 
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn gemv_kernel<F: Float, V: Size, W: Size>(
+    x: &Array<Vector<F, V>>,
+    codes: &Array<Vector<u32, W>>,
+    scale_bytes: &Array<u32>,
+    scale_table: &Array<f32>,
+    code_table: &Array<f32>,
+    bias: &Array<F>,
+    lora_t: &Array<f32>,
+    lora_b: &Array<F>,
+    y: &mut Array<F>,
+    part: &mut Array<f32>,
+    n_cols: u32,
+    k_dim: u32,
+    split_chunks: u32,
+    rank: u32,
+    lora_scale: f32,
+    #[comptime] m_rows: usize,
+    #[comptime] block: usize,
+    #[comptime] byte_scales: bool,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+    #[comptime] split: bool,
+    #[comptime] plane: usize,
+) {
+    let mut lut = SharedMemory::<f32>::new(16usize);
+    let mut stab = SharedMemory::<f32>::new(256usize);
+    let tid = UNIT_POS_Y as usize * plane + UNIT_POS_X as usize;
+    if tid < 16 {
+        lut[tid] = code_table[tid];
+    }
+    gemv_body::<F, V, W>(
+        x,
+        codes,
+        scale_bytes,
+        scale_table,
+        bias,
+        lora_t,
+        lora_b,
+        y,
+        part,
+        &lut,
+        &mut stab,
+        CUBE_POS_X as usize,
+        n_cols,
+        k_dim,
+        split_chunks,
+        rank,
+        lora_scale,
+        m_rows,
+        block,
+        byte_scales,
+        has_bias,
+        has_lora,
+        split,
+        plane,
+    );
+}
+
+/// Up to three products of one input (q/k/v, gate/up) in one launch: the grid's cubes are the
+/// first weight's, then the second's, then the third's (a cube's segment is uniform, so the
+/// barriers and plane sums inside stay uniform). Unsplit only; same format and `K` for all.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
+    x: &Array<Vector<F, V>>,
+    code_table: &Array<f32>,
+    codes0: &Array<Vector<u32, W>>,
+    scale_bytes0: &Array<u32>,
+    scale_table0: &Array<f32>,
+    bias0: &Array<F>,
+    lora_t0: &Array<f32>,
+    lora_b0: &Array<F>,
+    y0: &mut Array<F>,
+    codes1: &Array<Vector<u32, W>>,
+    scale_bytes1: &Array<u32>,
+    scale_table1: &Array<f32>,
+    bias1: &Array<F>,
+    lora_t1: &Array<f32>,
+    lora_b1: &Array<F>,
+    y1: &mut Array<F>,
+    codes2: &Array<Vector<u32, W>>,
+    scale_bytes2: &Array<u32>,
+    scale_table2: &Array<f32>,
+    bias2: &Array<F>,
+    lora_t2: &Array<f32>,
+    lora_b2: &Array<F>,
+    y2: &mut Array<F>,
+    part: &mut Array<f32>,
+    n0: u32,
+    n1: u32,
+    n2: u32,
+    cubes0: u32,
+    cubes1: u32,
+    k_dim: u32,
+    rank: u32,
+    scale0: f32,
+    scale1: f32,
+    scale2: f32,
+    #[comptime] m_rows: usize,
+    #[comptime] block: usize,
+    #[comptime] byte_scales: bool,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+    #[comptime] segments: usize,
+    #[comptime] plane: usize,
+) {
+    let mut lut = SharedMemory::<f32>::new(16usize);
+    let mut stab = SharedMemory::<f32>::new(256usize);
+    let tid = UNIT_POS_Y as usize * plane + UNIT_POS_X as usize;
+    if tid < 16 {
+        lut[tid] = code_table[tid];
+    }
+    let cx = CUBE_POS_X as usize;
+    let c0 = cubes0 as usize;
+    let c1 = c0 + cubes1 as usize;
+    if cx < c0 {
+        gemv_body::<F, V, W>(
+            x, codes0, scale_bytes0, scale_table0, bias0, lora_t0, lora_b0, y0, part, &lut,
+            &mut stab, cx, n0, k_dim, 1u32 << 30, rank, scale0, m_rows, block, byte_scales,
+            has_bias, has_lora, false, plane,
+        );
+    } else if segments > 1 && cx < c1 {
+        gemv_body::<F, V, W>(
+            x, codes1, scale_bytes1, scale_table1, bias1, lora_t1, lora_b1, y1, part, &lut,
+            &mut stab, cx - c0, n1, k_dim, 1u32 << 30, rank, scale1, m_rows, block,
+            byte_scales, has_bias, has_lora, false, plane,
+        );
+    } else if segments > 2 {
+        gemv_body::<F, V, W>(
+            x, codes2, scale_bytes2, scale_table2, bias2, lora_t2, lora_b2, y2, part, &lut,
+            &mut stab, cx - c1, n2, k_dim, 1u32 << 30, rank, scale2, m_rows, block,
+            byte_scales, has_bias, has_lora, false, plane,
+        );
+    }
+}
+
 /// Whether [`launch`] can run this product on this client.
 pub(crate) fn applies<R: Runtime>(
     client: &ComputeClient<R>,
@@ -300,5 +437,131 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     if split {
         let epilogue = ReduceEpilogue { bias, lora };
         splitk::reduce::<R, F, F>(client, part, splits, m, n, epilogue, y);
+    }
+}
+
+/// One product of [`launch_segments`]: a weight, its optional bias and LoRA epilogue
+/// (`T [M, r]` f32, `B [N, r]`, scale) and its output `[M, N]`.
+pub(crate) struct Segment<'a> {
+    pub weight: &'a DeviceWeight,
+    pub bias: Option<&'a Handle>,
+    pub lora: Option<(&'a Handle, &'a Handle, usize, f32)>,
+    pub y: &'a Handle,
+}
+
+/// Whether [`launch_segments`] takes these products: two or three of one format and `K`, the
+/// same epilogue terms (and LoRA rank) on each, and none that the split planner would split.
+pub(crate) fn segments_apply<R: Runtime>(
+    client: &ComputeClient<R>,
+    m: usize,
+    segs: &[Segment<'_>],
+    tensor_cores: bool,
+) -> bool {
+    let Some(first) = segs.first() else {
+        return false;
+    };
+    let (k, format) = (first.weight.k, first.weight.format);
+    let rank = first.lora.map(|l| l.2);
+    let target = PLANES_PER_SM * splitk::multiprocessors(client);
+    (2..=3).contains(&segs.len())
+        && applies(client, m, k, tensor_cores)
+        && segs.iter().all(|s| {
+            s.weight.k == k
+                && s.weight.format == format
+                && s.bias.is_some() == first.bias.is_some()
+                && s.lora.map(|l| l.2) == rank
+                && splitk::plan(s.weight.n.div_ceil(ROWS), k / (8 * WORDS), target, MIN_SPLIT_CHUNKS).0 == 1
+        })
+}
+
+/// Launches two or three decode products of one input `x [m, K]` as one grid; the caller has
+/// checked buffers and [`segments_apply`].
+pub(crate) fn launch_segments<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    segs: &[Segment<'_>],
+) {
+    let plane = client.properties().hardware.plane_size_max as usize;
+    let k = segs[0].weight.k;
+    let seg = |i: usize| &segs[i.min(segs.len() - 1)];
+    let cubes = |i: usize| seg(i).weight.n.div_ceil(ROWS * PLANES as usize);
+    let total: usize = (0..segs.len()).map(cubes).sum();
+    let unused = segs[0].weight.code_table.clone();
+    let has_bias = segs[0].bias.is_some();
+    let has_lora = segs[0].lora.is_some();
+    let rank = segs[0].lora.map_or(0, |l| l.2);
+    let w = seg(0).weight;
+    let bias = |i: usize| seg(i).bias.cloned().unwrap_or_else(|| unused.clone());
+    let t = |i: usize| seg(i).lora.map_or_else(|| unused.clone(), |l| l.0.clone());
+    let b = |i: usize| seg(i).lora.map_or_else(|| unused.clone(), |l| l.1.clone());
+    let scale = |i: usize| seg(i).lora.map_or(0.0, |l| l.3);
+    let n = |i: usize| seg(i).weight.n;
+    // SAFETY (of each `from_raw_parts`): the lengths are the buffers' own (checked by the
+    // caller) and the kernel reads or writes them only in bounds.
+    let args = |i: usize| unsafe {
+        let s = seg(i);
+        (
+            ArrayArg::from_raw_parts(s.weight.codes.clone(), s.weight.words() / WORDS),
+            ArrayArg::from_raw_parts(s.weight.scale_bytes.clone(), s.weight.scale_words()),
+            ArrayArg::from_raw_parts(s.weight.scale_table.clone(), s.weight.scale_table_len()),
+            ArrayArg::from_raw_parts(bias(i), n(i)),
+            ArrayArg::from_raw_parts(t(i), m * rank.max(1)),
+            ArrayArg::from_raw_parts(b(i), n(i) * rank.max(1)),
+            ArrayArg::from_raw_parts(s.y.clone(), m * n(i)),
+        )
+    };
+    let (a0, a1, a2) = (args(0), args(1), args(2));
+    // SAFETY: as for `launch`, per segment (buffer sizes checked by the caller); segments past
+    // `segs.len()` repeat the last one and get no cubes; `part` is never written (unsplit).
+    unsafe {
+        gemv_segments_kernel::launch_unchecked::<F, R>(
+            client,
+            CubeCount::Static(total as u32, 1, 1),
+            CubeDim::new_2d(plane as u32, PLANES),
+            8,
+            WORDS,
+            ArrayArg::from_raw_parts(x.clone(), m * k / 8),
+            ArrayArg::from_raw_parts(w.code_table.clone(), 16),
+            a0.0,
+            a0.1,
+            a0.2,
+            a0.3,
+            a0.4,
+            a0.5,
+            a0.6,
+            a1.0,
+            a1.1,
+            a1.2,
+            a1.3,
+            a1.4,
+            a1.5,
+            a1.6,
+            a2.0,
+            a2.1,
+            a2.2,
+            a2.3,
+            a2.4,
+            a2.5,
+            a2.6,
+            ArrayArg::from_raw_parts(unused.clone(), 16),
+            n(0) as u32,
+            n(1) as u32,
+            n(2) as u32,
+            cubes(0) as u32,
+            if segs.len() > 1 { cubes(1) as u32 } else { 0 },
+            k as u32,
+            rank as u32,
+            scale(0),
+            scale(1),
+            scale(2),
+            m,
+            w.block(),
+            w.byte_scales(),
+            has_bias,
+            has_lora,
+            segs.len(),
+            plane,
+        );
     }
 }
