@@ -24,6 +24,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 const ROWS: usize = 4;
 /// Chunks (16 bytes of codes) per row a unit loads before computing.
 const UNROLL: usize = 2;
+
+/// Chunks per row in flight: [`UNROLL`], or `QERL_GEMV_UNROLL` (1 to 8) for experiments.
+fn unroll() -> usize {
+    static UNROLL_ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *UNROLL_ENV.get_or_init(|| {
+        std::env::var("QERL_GEMV_UNROLL")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|u| (1..=8).contains(u))
+            .unwrap_or(UNROLL)
+    })
+}
 /// Planes per cube.
 const PLANES: u32 = 4;
 /// u32 words per unit load (16 bytes, 32 codes).
@@ -77,6 +89,7 @@ fn gemv_body<F: Float, V: Size, W: Size>(
     #[comptime] has_lora: bool,
     #[comptime] split: bool,
     #[comptime] plane: usize,
+    #[comptime] unroll: usize,
 ) {
     let lane = UNIT_POS_X as usize;
     let tid = UNIT_POS_Y as usize * plane + lane;
@@ -107,15 +120,15 @@ fn gemv_body<F: Float, V: Size, W: Size>(
     for i in 0..ROWS * m_rows {
         acc[i] = 0.0f32;
     }
-    let mut w_reg = Array::<Vector<u32, W>>::new(comptime!(ROWS * UNROLL));
-    let mut s_reg = Array::<u32>::new(comptime!(ROWS * UNROLL));
-    let mut s_val = Array::<f32>::new(comptime!(ROWS * UNROLL));
+    let mut w_reg = Array::<Vector<u32, W>>::new(comptime!(ROWS * unroll));
+    let mut s_reg = Array::<u32>::new(comptime!(ROWS * unroll));
+    let mut s_val = Array::<f32>::new(comptime!(ROWS * unroll));
 
     let mut c = c_begin + lane;
     while c < c_end {
         // Issue every load of this step first.
         #[unroll]
-        for u in 0..UNROLL {
+        for u in 0..unroll {
             let cu = c + u * plane;
             let cl = min(cu, c_end - 1);
             #[unroll]
@@ -132,7 +145,7 @@ fn gemv_body<F: Float, V: Size, W: Size>(
             }
         }
         #[unroll]
-        for u in 0..UNROLL {
+        for u in 0..unroll {
             let cu = c + u * plane;
             if cu < c_end {
                 #[unroll]
@@ -176,7 +189,7 @@ fn gemv_body<F: Float, V: Size, W: Size>(
                 }
             }
         }
-        c += comptime!(plane * UNROLL);
+        c += comptime!(plane * unroll);
     }
 
     let rank = rank as usize;
@@ -228,6 +241,7 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
     #[comptime] has_lora: bool,
     #[comptime] split: bool,
     #[comptime] plane: usize,
+    #[comptime] unroll: usize,
 ) {
     let mut lut = SharedMemory::<f32>::new(16usize);
     let mut stab = SharedMemory::<f32>::new(256usize);
@@ -260,6 +274,7 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
         has_lora,
         split,
         plane,
+        unroll,
     );
 }
 
@@ -310,6 +325,7 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
     #[comptime] has_lora: bool,
     #[comptime] segments: usize,
     #[comptime] plane: usize,
+    #[comptime] unroll: usize,
 ) {
     let mut lut = SharedMemory::<f32>::new(16usize);
     let mut stab = SharedMemory::<f32>::new(256usize);
@@ -324,19 +340,19 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
         gemv_body::<F, V, W>(
             x, codes0, scale_bytes0, scale_table0, bias0, lora_t0, lora_b0, y0, part, &lut,
             &mut stab, cx, n0, k_dim, 1u32 << 30, rank, scale0, m_rows, block, byte_scales,
-            has_bias, has_lora, false, plane,
+            has_bias, has_lora, false, plane, unroll,
         );
     } else if segments > 1 && cx < c1 {
         gemv_body::<F, V, W>(
             x, codes1, scale_bytes1, scale_table1, bias1, lora_t1, lora_b1, y1, part, &lut,
             &mut stab, cx - c0, n1, k_dim, 1u32 << 30, rank, scale1, m_rows, block,
-            byte_scales, has_bias, has_lora, false, plane,
+            byte_scales, has_bias, has_lora, false, plane, unroll,
         );
     } else if segments > 2 {
         gemv_body::<F, V, W>(
             x, codes2, scale_bytes2, scale_table2, bias2, lora_t2, lora_b2, y2, part, &lut,
             &mut stab, cx - c1, n2, k_dim, 1u32 << 30, rank, scale2, m_rows, block,
-            byte_scales, has_bias, has_lora, false, plane,
+            byte_scales, has_bias, has_lora, false, plane, unroll,
         );
     }
 }
@@ -432,6 +448,7 @@ pub(crate) fn launch<R: Runtime, F: Float>(
             has_lora,
             split,
             plane,
+            unroll(),
         );
     }
     if split {
@@ -562,6 +579,7 @@ pub(crate) fn launch_segments<R: Runtime, F: Float>(
             has_lora,
             segs.len(),
             plane,
+            unroll(),
         );
     }
 }
