@@ -5,7 +5,8 @@
 # Carry .device (qerl.tar.gz: the release `qerl` built with --features cuda).
 # Usage there: bash tools/device_engine_profile.sh [batch...]   (default: 1 64)
 #   env: SHAPE (qwen2.5-7b), PRECISION (nvfp4), NEW (24 new tokens), SKIP (launches skipped:
-#   the prefill and the first steps), COUNT (launches profiled)
+#   the prefill and the first steps), COUNT (launches profiled); the wall-time bench after:
+#   BENCH_BATCHES, BENCH_PRECISION, BENCH_NEW; HF_BATCHES runs the transformers peer too
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,7 +19,7 @@ batches=("$@")
 for b in "${batches[@]}"; do
   start=$SECONDS
   timeout -k 10 ${NCU_T:-200} ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-    --launch-skip ${SKIP:-9000} --launch-count ${COUNT:-1200} \
+    --launch-skip ${SKIP:-$((b > 8 ? 12500 : 9000))} --launch-count ${COUNT:-1200} \
     /tmp/qerl bench rollout --shape ${SHAPE:-qwen2.5-7b} --precision ${PRECISION:-nvfp4} --batch $b \
     --prompt 256 --new-tokens ${NEW:-24} --no-check > "$OUT/ncu-b$b.csv" 2> "$OUT/ncu-b$b.err"
   echo "== batch $b: ncu $((SECONDS - start)) s"
@@ -44,8 +45,11 @@ for k, v in t.most_common(16):
 PY
 done
 # Wall time per step without ncu, same shapes.
-timeout -k 10 ${BENCH_T:-200} /tmp/qerl bench rollout --shape ${SHAPE:-qwen2.5-7b} --precision ${PRECISION:-nvfp4} \
-  --batch $(IFS=,; echo "${batches[*]}") --prompt 256 --new-tokens ${BENCH_NEW:-128} 2>&1 | tail -14
+timeout -k 10 ${BENCH_T:-300} /tmp/qerl bench rollout --shape ${SHAPE:-qwen2.5-7b} --precision ${BENCH_PRECISION:-nvfp4} \
+  --batch ${BENCH_BATCHES:-$(IFS=,; echo "${batches[*]}")} --prompt 256 --new-tokens ${BENCH_NEW:-128} --json "$OUT/bench.jsonl" 2>&1 | tail -${BENCH_LINES:-14}
+if [ -n "${HF_BATCHES:-}" ]; then
+  timeout -k 10 ${HF_T:-150} python3 tools/hf_rollout_peer.py --shape 7b --batch $HF_BATCHES --prompt 256 --new 128 --budget ${HF_BUDGET:-100} --json "$OUT/hf.jsonl" 2>&1 | grep -v Warning | tail -6
+fi
 # Details of chosen kernels (DETAIL="regex:batch ...", e.g. "gemv:1 tc_:64"): occupancy,
 # registers, throughput and warp stalls of a few launches of the steady decode.
 for spec in ${DETAIL:-}; do
