@@ -99,6 +99,19 @@ pub(crate) struct TcEpilogue {
 /// Fewest reduction stages (of 32) per K-slice.
 const MIN_SPLIT_STAGES: usize = 8;
 
+/// Cubes per multiprocessor the split-K aims for: 2, or `QERL_TC_CUBES_PER_SM` (1 to 16) for
+/// experiments.
+fn cubes_per_sm() -> usize {
+    static CUBES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CUBES.get_or_init(|| {
+        std::env::var("QERL_TC_CUBES_PER_SM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|c| (1..=16).contains(c))
+            .unwrap_or(2)
+    })
+}
+
 /// Launches the tensor-core product; the caller has checked buffers and [`applies`] (and, for
 /// `Transposed`, `N % 32 == 0`). `x` holds `M x reduction` elements of `F`, `y` receives
 /// `M x columns` elements of `O`. When the output tiles give fewer than two cubes per
@@ -121,7 +134,7 @@ pub(crate) fn launch<R: Runtime, F: Float, O: Float>(
     };
     let tiles = tiles.unwrap_or_else(|| pick_tiles(m, cols));
     let grid = (cols.div_ceil(tiles.bn()), m.div_ceil(tiles.bm()));
-    let target = 2 * splitk::multiprocessors(client);
+    let target = cubes_per_sm() * splitk::multiprocessors(client);
     let (splits, per) = splitk::plan(grid.0 * grid.1, red / BK, target, MIN_SPLIT_STAGES);
     let launch = Launch {
         x,
