@@ -8,6 +8,8 @@
 //!   lm_head stay dense.
 //! * [`CausalLm::forward`]: logits `[batch, seq, vocab]` of a padded [`TokenBatch`] (the
 //!   training pass, generic over the backend so it runs under `Autodiff<B>`);
+//!   [`CausalLm::hidden_states_checkpointed`] + [`LayerCheckpoints`]: the same pass with
+//!   activation checkpointing per decoder layer;
 //!   [`CausalLm::prefill`] / [`CausalLm::decode`]: the KV-cached incremental path.
 //! * [`generate`]: batched generation with on-device sampling ([`sampling`]), per-sequence EOS
 //!   and stop strings, seeds, returned token ids and log-probs; [`score`]: per-position top-k.
@@ -20,6 +22,7 @@ mod adapter_check;
 mod adapter_norms;
 mod attention;
 pub mod batch;
+mod checkpoint;
 pub mod config;
 mod error;
 pub mod export;
@@ -34,6 +37,7 @@ pub use adapter::{Adapter, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 pub use adapter_norms::LEGACY_NORMS_FILE;
 pub use attention::Attention;
 pub use batch::{Padding, TokenBatch};
+pub use checkpoint::LayerCheckpoints;
 pub use config::{Architecture, GenerationDefaults, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use generate::{

@@ -43,7 +43,7 @@ pub struct DecoderLayer<B: QerlBackend> {
 }
 
 impl<B: QerlBackend> DecoderLayer<B> {
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: Tensor<B, 3>,
         step: &Step<B>,
@@ -165,7 +165,7 @@ impl<B: QerlBackend> CausalLm<B> {
         self.embed_tokens.device()
     }
 
-    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+    pub(crate) fn check_ids(&self, ids: &[u32]) -> Result<()> {
         let vocab = self.config.vocab_size;
         match ids.iter().find(|&&t| t as usize >= vocab) {
             Some(t) => Err(ModelError::Input(format!(
@@ -177,7 +177,7 @@ impl<B: QerlBackend> CausalLm<B> {
     }
 
     /// `ids [batch, seq] -> [batch, seq, hidden]`.
-    fn embed(&self, ids: &[u32], batch: usize, seq: usize) -> Tensor<B, 3> {
+    pub(crate) fn embed(&self, ids: &[u32], batch: usize, seq: usize) -> Tensor<B, 3> {
         let device = self.device();
         let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
         let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [batch * seq]), &device);
@@ -191,7 +191,7 @@ impl<B: QerlBackend> CausalLm<B> {
     /// The shared inputs of one pass: `seq` new tokens per row written at column `offset`,
     /// attending to `keys` columns (`key_mask`, `[batch, keys]`).
     #[allow(clippy::too_many_arguments)]
-    fn step(
+    pub(crate) fn step(
         &self,
         positions: &[usize],
         key_mask: &[bool],
