@@ -8,6 +8,8 @@
 //!   [`gemm::Strategy`] decides: the tensor-core kernel (default), CubeCL's autotuner over its tile
 //!   configurations and dequantize + cuBLAS ([`dense`] operands, the CUDA-only `cublas` module),
 //!   or cuBLAS alone (`QERL_GEMM`).
+//! * [`attention`]: fused causal attention with per-row key ranges (padding) and grouped-query
+//!   heads, forward (saving the log-sum-exp per query) and backward, flash-attention style.
 //! * [`rms_norm`]: fused noisy RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ (w + z)`, forward and backward.
 //!
 //! Every kernel accumulates in f32 whatever the activation type `F` (f32/f16 on wgpu, bf16 on
@@ -16,6 +18,7 @@
 //! tables so that one kernel serves NVFP4, MXFP4 and NF4. wgpu cannot take `u8` kernel
 //! arguments, hence the `u32` words.
 
+pub mod attention;
 #[cfg(feature = "cuda")]
 mod cublas;
 pub mod dense;
