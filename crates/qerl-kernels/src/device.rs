@@ -76,24 +76,48 @@ impl DeviceWeight {
                 format!("a [{n}, {k}] weight: the input dimension must be a multiple of 16"),
             ));
         }
-        let codes = pack_words(&weight.codes());
-        let (scale_bytes, scale_table, code_table): (Vec<u32>, Vec<f32>, Vec<f32>) = match weight {
+        // NVFP4/MXFP4 bytes already hold two codes each, low nibble first: read as
+        // little-endian u32 words they are the device layout, uploaded without a host copy
+        // (k is a multiple of 16, so the byte count is a multiple of 4). NF4 is re-ordered.
+        let codes = match weight {
+            QuantizedWeight::Nvfp4(w) => client.create_from_slice(&w.packed),
+            QuantizedWeight::Mxfp4(w) => client.create_from_slice(&w.packed),
+            QuantizedWeight::Nf4(_) => {
+                client.create_from_slice(u32::as_bytes(&pack_words(&weight.codes())))
+            }
+        };
+        let byte_scales = |scales: &[u8]| {
+            if scales.len().is_multiple_of(4) {
+                client.create_from_slice(scales)
+            } else {
+                client.create_from_slice(u32::as_bytes(&pack_bytes(scales)))
+            }
+        };
+        let (scale_bytes, scale_table, code_table): (Handle, Vec<f32>, Vec<f32>) = match weight {
             QuantizedWeight::Nvfp4(w) => {
                 let table = fp8::e4m3_table().map(|s| s / w.global_scale);
-                (pack_bytes(&w.scales), table.to_vec(), e2m1_table().to_vec())
+                (
+                    byte_scales(&w.scales),
+                    table.to_vec(),
+                    e2m1_table().to_vec(),
+                )
             }
             QuantizedWeight::Mxfp4(w) => {
                 let table: Vec<f32> = (0..=255u8).map(fp8::e8m0_to_f32).collect();
-                (pack_bytes(&w.scales), table, e2m1_table().to_vec())
+                (byte_scales(&w.scales), table, e2m1_table().to_vec())
             }
-            QuantizedWeight::Nf4(w) => (vec![0], w.absmax.clone(), nf4::NF4_TABLE.to_vec()),
+            QuantizedWeight::Nf4(w) => (
+                client.create_from_slice(u32::as_bytes(&[0u32])),
+                w.absmax.clone(),
+                nf4::NF4_TABLE.to_vec(),
+            ),
         };
         Ok(DeviceWeight {
             format: weight.format(),
             n,
             k,
-            codes: client.create_from_slice(u32::as_bytes(&codes)),
-            scale_bytes: client.create_from_slice(u32::as_bytes(&scale_bytes)),
+            codes,
+            scale_bytes,
             scale_table: client.create_from_slice(f32::as_bytes(&scale_table)),
             code_table: client.create_from_slice(f32::as_bytes(&code_table)),
         })

@@ -52,6 +52,18 @@ pub enum ModelError {
         shape: Vec<usize>,
         expected: Vec<usize>,
     },
+    /// A weight holding NaN or an infinity (a corrupt or diverged checkpoint): refused at load,
+    /// since it would only give NaN log-probabilities and token 0.
+    #[error(
+        "tensor `{tensor}` in `{}` holds {value} at index {index}: the checkpoint is corrupt or its training diverged",
+        file.display()
+    )]
+    NonFinite {
+        file: PathBuf,
+        tensor: String,
+        index: usize,
+        value: f32,
+    },
     /// Tensors the architecture has no place for (a sign of a different architecture).
     #[error("`{}` has tensors the {arch} architecture does not use: {}", dir.display(), names.join(", "))]
     UnexpectedTensors {

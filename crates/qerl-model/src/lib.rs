@@ -28,6 +28,7 @@ mod error;
 pub mod export;
 pub mod generate;
 mod load;
+mod load_host;
 mod model;
 pub mod rope;
 pub mod sampling;
@@ -44,7 +45,7 @@ pub use generate::{
     check_context, check_new_tokens, generate, generate_from_row, score, Completion, Decode,
     FinishReason, GenerationConfig, PositionScore,
 };
-pub use load::{load, load_with_adapter, LoadOptions, LoraSpec};
+pub use load::{load, load_with_adapter, load_with_stats, LoadOptions, LoadStats, LoraSpec};
 pub use model::{CausalLm, DecoderLayer, KvCache, Mlp};
 pub use qerl_nn::{LoraConfig, Precision, QerlBackend};
 pub use sampling::SamplingParams;

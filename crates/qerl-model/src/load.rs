@@ -8,17 +8,19 @@
 //! model.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::time::{Duration, Instant};
 
 use burn::tensor::{Tensor, TensorData};
-use qerl_format::checkpoint::{HfCheckpoint, QuantizedCheckpoint, CONFIG_FILE};
-use qerl_format::{QuantFormat, QuantizedWeight, SourceDtype};
+use qerl_format::checkpoint::{par, HfCheckpoint, QuantizedCheckpoint, CONFIG_FILE};
+use qerl_format::QuantFormat;
 use qerl_nn::{LoraConfig, NoisyRmsNorm, Nvfp4Linear, Precision, QerlBackend};
 
 use crate::adapter::Adapter;
 use crate::attention::Attention;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::load_host::{Host, Job, Planner, Source};
 use crate::model::{CausalLm, DecoderLayer, Mlp};
 
 /// LoRA adapters to put on the decoder linears.
@@ -51,95 +53,40 @@ pub struct LoadOptions {
     pub trainable_norms: bool,
 }
 
-/// The weights of a model directory, dense or quantized.
-enum Source {
-    Dense(HfCheckpoint),
-    Quantized(QuantizedCheckpoint),
+/// Where the time of a load went. The read pages the files in (from the disk or the page
+/// cache); conversion (on every core) and upload overlap, so `convert + upload` may exceed the
+/// time after the read.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LoadStats {
+    /// Bytes of the safetensors files.
+    pub bytes: u64,
+    pub total: Duration,
+    pub read: Duration,
+    pub convert: Duration,
+    pub upload: Duration,
 }
 
-impl Source {
-    fn ckpt(&self) -> &HfCheckpoint {
-        match self {
-            Source::Dense(c) => c,
-            Source::Quantized(q) => q.checkpoint(),
-        }
+impl std::fmt::Display for LoadStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secs = self.total.as_secs_f64();
+        write!(
+            f,
+            "{:.2} GB in {secs:.2} s ({:.2} GB/s): read {:.2} s, convert {:.2} s, upload {:.2} s",
+            self.bytes as f64 / 1e9,
+            self.bytes as f64 / 1e9 / secs.max(1e-9),
+            self.read.as_secs_f64(),
+            self.convert.as_secs_f64(),
+            self.upload.as_secs_f64()
+        )
     }
 }
 
-/// Reads tensors by name, checking shapes and recording what was used.
-struct Reader<'a> {
-    source: &'a Source,
-    quantized_modules: BTreeSet<String>,
-    used: BTreeSet<String>,
-}
-
-impl Reader<'_> {
-    fn dir(&self) -> PathBuf {
-        self.source.ckpt().dir().to_path_buf()
-    }
-
-    fn read(
-        &mut self,
-        name: &str,
-        shape: &[usize],
-        needed_by: &str,
-    ) -> Result<(Vec<f32>, SourceDtype)> {
-        let ckpt = self.source.ckpt();
-        let info = ckpt
-            .tensor_info(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                dir: self.dir(),
-                tensor: name.to_string(),
-                needed_by: needed_by.to_string(),
-            })?;
-        if info.shape != shape {
-            return Err(ModelError::TensorShape {
-                file: ckpt.file_of(info).to_path_buf(),
-                tensor: name.to_string(),
-                shape: info.shape.clone(),
-                expected: shape.to_vec(),
-            });
-        }
-        self.used.insert(name.to_string());
-        Ok(ckpt.read_f32(name)?)
-    }
-
-    /// A quantized module, with every stored part of it marked used.
-    fn quantized(&mut self, module: &str, shape: [usize; 2]) -> Result<QuantizedWeight> {
-        let Source::Quantized(q) = self.source else {
-            unreachable!("only called for quantized modules")
-        };
-        let w = q.load(module)?;
-        if w.shape() != shape {
-            let part = format!(
-                "{module}.{}",
-                if w.format() == QuantFormat::Nf4 {
-                    "weight"
-                } else {
-                    "weight_packed"
-                }
-            );
-            let file = q
-                .checkpoint()
-                .tensor_info(&part)
-                .map(|i| q.checkpoint().file_of(i).to_path_buf());
-            return Err(ModelError::TensorShape {
-                file: file.unwrap_or_else(|| self.dir()),
-                tensor: part,
-                shape: w.shape().to_vec(),
-                expected: shape.to_vec(),
-            });
-        }
-        let prefix = format!("{module}.");
-        let parts: Vec<String> = q
-            .checkpoint()
-            .tensors()
-            .filter(|t| t.name.starts_with(&prefix) && t.name != format!("{module}.bias"))
-            .map(|t| t.name.clone())
-            .collect();
-        self.used.extend(parts);
-        Ok(w)
-    }
+/// What the planning thread hands the uploading one, in model order.
+enum Stage {
+    Embed(Host),
+    Layer(Vec<Host>),
+    FinalNorm(Host),
+    LmHead(Option<Host>),
 }
 
 /// Checks that every linear's input width suits the block size of a 4-bit format.
@@ -203,6 +150,22 @@ pub fn load_with_adapter<B: QerlBackend>(
     adapter: Option<&Adapter>,
     device: &B::Device,
 ) -> Result<CausalLm<B>> {
+    load_with_stats(dir, options, adapter, device).map(|(model, _)| model)
+}
+
+/// [`load_with_adapter`], with where the time went.
+///
+/// The files are paged in first (all cores); then one thread plans and converts the stages
+/// (embeddings, each decoder layer, the final norm, the lm_head) with the tensors of a stage
+/// converted on every core, while the calling thread uploads the previous stage: at most three
+/// stages are on the host at once. Every error is the one a sequential read would meet first.
+pub fn load_with_stats<B: QerlBackend>(
+    dir: &Path,
+    options: &LoadOptions,
+    adapter: Option<&Adapter>,
+    device: &B::Device,
+) -> Result<(CausalLm<B>, LoadStats)> {
+    let start = Instant::now();
     let config = ModelConfig::from_dir(dir)?;
     let raw_config = crate::error::read_json(&dir.join(CONFIG_FILE))?;
     let source = if raw_config.get("quantization_config").is_some() {
@@ -244,84 +207,98 @@ pub fn load_with_adapter<B: QerlBackend>(
         Source::Quantized(q) => q.modules().into_iter().collect(),
         Source::Dense(_) => BTreeSet::new(),
     };
-    let mut r = Reader {
+    let read_start = Instant::now();
+    let bytes = source.ckpt().prefetch();
+    let read = read_start.elapsed();
+    let mut planner = Planner {
         source: &source,
         quantized_modules,
         used: BTreeSet::new(),
     };
     let (v, h) = (config.vocab_size, config.hidden_size);
-    let tensor2 = |data: Vec<f32>, shape: [usize; 2]| {
-        Tensor::<B, 2>::from_data(TensorData::new(data, shape), device)
-    };
-    let norm = |r: &mut Reader, name: &str| -> Result<NoisyRmsNorm<B>> {
-        let (w, _) = r.read(name, &[h], "an RMSNorm")?;
-        let w = adapter_norms.get(name).cloned().unwrap_or(w);
-        let w = Tensor::<B, 1>::from_data(TensorData::new(w, [h]), device);
-        Ok(NoisyRmsNorm::new(
-            w,
-            config.rms_norm_eps,
-            options.trainable_norms,
-        ))
-    };
-
-    let (embed, _) = r.read("model.embed_tokens.weight", &[v, h], "the embeddings")?;
-    let embed = tensor2(embed, [v, h]);
-    let mut layers = Vec::with_capacity(config.num_hidden_layers);
-    for i in 0..config.num_hidden_layers {
-        let p = format!("model.layers.{i}");
-        let mut lin = |suffix: &str| -> Result<Nvfp4Linear<B>> {
-            let (_, d_out, d_in, has_bias) = *config
-                .linears()
-                .iter()
-                .find(|l| l.0 == suffix)
-                .expect("known linear");
-            let module = format!("{p}.{suffix}");
-            let lora_cfg = lora_of(&module);
-            linear(
-                &mut r, &module, d_out, d_in, has_bias, precision, lora_cfg, device,
-            )
-        };
-        let self_attn = Attention {
-            q_proj: lin("self_attn.q_proj")?,
-            k_proj: lin("self_attn.k_proj")?,
-            v_proj: lin("self_attn.v_proj")?,
-            o_proj: lin("self_attn.o_proj")?,
-            num_heads: config.num_attention_heads,
-            num_kv_heads: config.num_key_value_heads,
-            head_dim: config.head_dim,
-        };
-        let mlp = Mlp {
-            gate_proj: lin("mlp.gate_proj")?,
-            up_proj: lin("mlp.up_proj")?,
-            down_proj: lin("mlp.down_proj")?,
-        };
-        layers.push(DecoderLayer {
-            input_layernorm: norm(&mut r, &format!("{p}.input_layernorm.weight"))?,
-            self_attn,
-            post_attention_layernorm: norm(
-                &mut r,
-                &format!("{p}.post_attention_layernorm.weight"),
-            )?,
-            mlp,
+    let mut upload = Duration::ZERO;
+    let (built, convert) = std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Stage>>(1);
+        let planner = &mut planner;
+        let config = &config;
+        let source = &source;
+        let producer = scope.spawn(move || {
+            let mut convert = Duration::ZERO;
+            let send = |stage: Result<Stage>| tx.send(stage).is_ok();
+            let mut run = |jobs: Vec<Job>| -> Result<Vec<Host>> {
+                let t = Instant::now();
+                let hosts = par::map(
+                    jobs.len(),
+                    |i| jobs[i].run::<B::FloatElem>(source),
+                    |_, _| {},
+                );
+                convert += t.elapsed();
+                hosts
+            };
+            let stages = (|| -> Result<()> {
+                let embed =
+                    planner.check("model.embed_tokens.weight", &[v, h], "the embeddings")?;
+                let embed = run(vec![Job::Float(embed)])?.pop().expect("one job");
+                if !send(Ok(Stage::Embed(embed))) {
+                    return Ok(());
+                }
+                for i in 0..config.num_hidden_layers {
+                    let p = format!("model.layers.{i}");
+                    let mut jobs = Vec::with_capacity(11);
+                    for (suffix, d_out, d_in, has_bias) in config.linears() {
+                        let module = format!("{p}.{suffix}");
+                        planner.linear(&module, (d_out, d_in, has_bias), precision, &mut jobs)?;
+                    }
+                    for norm in ["input_layernorm", "post_attention_layernorm"] {
+                        let name = format!("{p}.{norm}.weight");
+                        jobs.push(Job::F32(planner.check(&name, &[h], "an RMSNorm")?));
+                    }
+                    if !send(Ok(Stage::Layer(run(jobs)?))) {
+                        return Ok(());
+                    }
+                }
+                let norm = planner.check("model.norm.weight", &[h], "an RMSNorm")?;
+                let norm = run(vec![Job::F32(norm)])?.pop().expect("one job");
+                if !send(Ok(Stage::FinalNorm(norm))) {
+                    return Ok(());
+                }
+                let lm_head = if config.tie_word_embeddings {
+                    planner.used.insert("lm_head.weight".into());
+                    None
+                } else {
+                    let info = planner.check(
+                        "lm_head.weight",
+                        &[v, h],
+                        "the untied lm_head (tie_word_embeddings is false)",
+                    )?;
+                    run(vec![Job::Float(info)])?.pop()
+                };
+                send(Ok(Stage::LmHead(lm_head)));
+                Ok(())
+            })();
+            if let Err(e) = stages {
+                send(Err(e));
+            }
+            convert
         });
-    }
-    let final_norm = norm(&mut r, "model.norm.weight")?;
-    let lm_head = if config.tie_word_embeddings {
-        r.used.insert("lm_head.weight".into());
-        None
-    } else {
-        let (w, _) = r.read(
-            "lm_head.weight",
-            &[v, h],
-            "the untied lm_head (tie_word_embeddings is false)",
-        )?;
-        Some(tensor2(w, [v, h]))
-    };
+        let built = build::<B>(
+            rx,
+            &mut upload,
+            config,
+            options,
+            &lora_of,
+            &adapter_norms,
+            device,
+        );
+        let convert = producer.join().expect("the loading thread does not panic");
+        (built, convert)
+    });
+    let (embed, layers, final_norm, lm_head) = built?;
     let unused: Vec<String> = source
         .ckpt()
         .tensors()
         .map(|t| t.name.clone())
-        .filter(|n| !r.used.contains(n) && !n.ends_with("rotary_emb.inv_freq"))
+        .filter(|n| !planner.used.contains(n) && !n.ends_with("rotary_emb.inv_freq"))
         .collect();
     if !unused.is_empty() {
         return Err(ModelError::UnexpectedTensors {
@@ -334,60 +311,139 @@ pub fn load_with_adapter<B: QerlBackend>(
     if let Some(a) = adapter {
         a.apply(&mut model)?;
     }
-    Ok(model)
+    let sync_start = Instant::now();
+    B::sync(device).map_err(|e| {
+        ModelError::Nn(format!(
+            "the device failed while the weights were uploaded: {e:?}"
+        ))
+    })?;
+    upload += sync_start.elapsed();
+    let stats = LoadStats {
+        bytes,
+        total: start.elapsed(),
+        read,
+        convert,
+        upload,
+    };
+    Ok((model, stats))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn linear<B: QerlBackend>(
-    r: &mut Reader,
-    module: &str,
-    d_out: usize,
-    d_in: usize,
-    has_bias: bool,
-    precision: Precision,
-    lora: Option<LoraConfig>,
+/// The model's parts as uploaded.
+type Parts<B> = (
+    Tensor<B, 2>,
+    Vec<DecoderLayer<B>>,
+    NoisyRmsNorm<B>,
+    Option<Tensor<B, 2>>,
+);
+
+/// Uploads the stages the planning thread sends, in model order; adds its time to `upload`.
+fn build<B: QerlBackend>(
+    rx: std::sync::mpsc::Receiver<Result<Stage>>,
+    upload: &mut Duration,
+    config: &ModelConfig,
+    options: &LoadOptions,
+    lora_of: &dyn Fn(&str) -> Option<LoraConfig>,
+    adapter_norms: &std::collections::BTreeMap<String, Vec<f32>>,
     device: &B::Device,
-) -> Result<Nvfp4Linear<B>> {
-    let bias = if has_bias {
-        Some(r.read(&format!("{module}.bias"), &[d_out], module)?.0)
-    } else {
-        None
+) -> Result<Parts<B>> {
+    let h = config.hidden_size;
+    let next = || -> Result<Stage> {
+        rx.recv()
+            .map_err(|_| ModelError::Input("the loading thread stopped early".into()))?
     };
-    let nn = |e: qerl_nn::NnError| ModelError::Nn(format!("{module}: {e}"));
-    if r.quantized_modules.contains(module) {
-        let w = r.quantized(module, [d_out, d_in])?;
-        if precision == Precision::Bf16 {
-            let dense: Vec<f32> = w
-                .dequantize()
-                .into_iter()
-                .map(|x| SourceDtype::BF16.round(x))
-                .collect();
-            return Nvfp4Linear::from_dense(
-                module,
-                &dense,
-                SourceDtype::BF16,
-                d_out,
-                d_in,
-                bias.as_deref(),
-                precision,
-                lora,
-                device,
-            )
-            .map_err(nn);
+    let norm = |name: &str, host: Host| -> NoisyRmsNorm<B> {
+        let Host::F32(w) = host else {
+            unreachable!("norm weights are f32")
+        };
+        let w = adapter_norms.get(name).cloned().unwrap_or(w);
+        let w = Tensor::<B, 1>::from_data(TensorData::new(w, [h]), device);
+        NoisyRmsNorm::new(w, config.rms_norm_eps, options.trainable_norms)
+    };
+    let float = |host: Host| -> Tensor<B, 2> {
+        let Host::Float(data) = host else {
+            unreachable!("a dense tensor")
+        };
+        Tensor::from_data(data, device)
+    };
+    let Stage::Embed(embed) = next()? else {
+        unreachable!("the embeddings come first")
+    };
+    let t = Instant::now();
+    let embed = float(embed);
+    *upload += t.elapsed();
+    let mut layers = Vec::with_capacity(config.num_hidden_layers);
+    for i in 0..config.num_hidden_layers {
+        let Stage::Layer(hosts) = next()? else {
+            unreachable!("then the layers")
+        };
+        let t = Instant::now();
+        let p = format!("model.layers.{i}");
+        let mut hosts = hosts.into_iter();
+        let mut lins = Vec::with_capacity(7);
+        for (suffix, _, _, has_bias) in config.linears() {
+            let module = format!("{p}.{suffix}");
+            let bias = match has_bias.then(|| hosts.next()).flatten() {
+                Some(Host::F32(b)) => Some(b),
+                _ => None,
+            };
+            let nn = |e: qerl_nn::NnError| ModelError::Nn(format!("{module}: {e}"));
+            let lora = lora_of(&module);
+            let lin = match hosts.next().expect("a weight per linear") {
+                Host::Quantized(w) => {
+                    Nvfp4Linear::from_quantized(&module, w, bias.as_deref(), lora, device)
+                }
+                dense => Nvfp4Linear::from_dense_tensor(
+                    &module,
+                    float(dense),
+                    bias.as_deref(),
+                    lora,
+                    device,
+                ),
+            }
+            .map_err(nn)?;
+            lins.push(lin);
         }
-        return Nvfp4Linear::from_quantized(module, w, bias.as_deref(), lora, device).map_err(nn);
+        let input_layernorm = norm(
+            &format!("{p}.input_layernorm.weight"),
+            hosts.next().expect("norm"),
+        );
+        let post_attention_layernorm = norm(
+            &format!("{p}.post_attention_layernorm.weight"),
+            hosts.next().expect("norm"),
+        );
+        let mut lins = lins.into_iter();
+        let mut lin = || lins.next().expect("seven linears");
+        let self_attn = Attention {
+            q_proj: lin(),
+            k_proj: lin(),
+            v_proj: lin(),
+            o_proj: lin(),
+            num_heads: config.num_attention_heads,
+            num_kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+        };
+        let mlp = Mlp {
+            gate_proj: lin(),
+            up_proj: lin(),
+            down_proj: lin(),
+        };
+        layers.push(DecoderLayer {
+            input_layernorm,
+            self_attn,
+            post_attention_layernorm,
+            mlp,
+        });
+        *upload += t.elapsed();
     }
-    let (w, dtype) = r.read(&format!("{module}.weight"), &[d_out, d_in], module)?;
-    Nvfp4Linear::from_dense(
-        module,
-        &w,
-        dtype,
-        d_out,
-        d_in,
-        bias.as_deref(),
-        precision,
-        lora,
-        device,
-    )
-    .map_err(nn)
+    let Stage::FinalNorm(final_norm) = next()? else {
+        unreachable!("then the final norm")
+    };
+    let final_norm = norm("model.norm.weight", final_norm);
+    let Stage::LmHead(lm_head) = next()? else {
+        unreachable!("then the lm_head")
+    };
+    let t = Instant::now();
+    let lm_head = lm_head.map(float);
+    *upload += t.elapsed();
+    Ok((embed, layers, final_norm, lm_head))
 }

@@ -313,3 +313,108 @@ fn a_quantized_checkpoint_runs_only_as_itself_or_its_twin() {
     let e = load::<Cpu>(&dir, &opts, &Default::default()).unwrap_err();
     assert_err(e, &["config.json", "nvfp4", "nf4"]);
 }
+
+/// Rewrites one tensor's bytes in a safetensors file.
+fn patch_tensor(path: &Path, name: &str, patch: impl Fn(&mut Vec<u8>)) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let mut data = v.data().to_vec();
+            if n == name {
+                patch(&mut data);
+            }
+            (n, v.dtype(), v.shape().to_vec(), data)
+        })
+        .collect();
+    assert!(owned.iter().any(|t| t.0 == name), "no tensor {name}");
+    let views: Vec<_> = owned
+        .iter()
+        .map(|(n, d, s, b)| {
+            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+#[test]
+fn non_finite_weights_are_refused_with_tensor_and_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Default::default();
+    let dir = tmp.path().join("m");
+    let config = small_config(json!({}));
+    let mut tensors = write_model(&dir, &config, 3);
+    load::<Cpu>(&dir, &LoadOptions::default(), &dev).unwrap();
+    let nvfp4 = LoadOptions {
+        precision: Some(Precision::Nvfp4),
+        ..LoadOptions::default()
+    };
+    // NaN in a linear (dense and quantized at load), +inf in the embeddings, -inf in a norm
+    let cases = [
+        ("model.layers.1.mlp.up_proj.weight", 17, f32::NAN),
+        ("model.embed_tokens.weight", 5, f32::INFINITY),
+        (
+            "model.layers.0.input_layernorm.weight",
+            3,
+            f32::NEG_INFINITY,
+        ),
+    ];
+    for (name, index, value) in cases {
+        let t = tensors.iter_mut().find(|t| t.0 == name).unwrap();
+        let old = t.1[index];
+        t.1[index] = value;
+        common::write_safetensors(&dir.join("model.safetensors"), &tensors);
+        for opts in [&LoadOptions::default(), &nvfp4] {
+            let e = load::<Cpu>(&dir, opts, &dev).unwrap_err();
+            assert!(matches!(e, ModelError::NonFinite { .. }), "{e}");
+            assert_err(
+                e,
+                &[
+                    name,
+                    "model.safetensors",
+                    &format!("index {index}"),
+                    &format!("{value}"),
+                ],
+            );
+        }
+        let t = tensors.iter_mut().find(|t| t.0 == name).unwrap();
+        t.1[index] = old;
+    }
+    common::write_safetensors(&dir.join("model.safetensors"), &tensors);
+
+    // a quantized checkpoint: a NaN block scale (E4M3 0x7f) and an infinite global scale
+    let q = tmp.path().join("q");
+    qerl_format::checkpoint::quantize_checkpoint(
+        &dir,
+        &q,
+        qerl_format::QuantFormat::Nvfp4,
+        &mut |_| {},
+    )
+    .unwrap();
+    load::<Cpu>(&q, &LoadOptions::default(), &dev).unwrap();
+    let module = "model.layers.1.self_attn.k_proj";
+    let file = q.join("model.safetensors");
+    patch_tensor(&file, &format!("{module}.weight_scale"), |b| b[2] = 0x7f);
+    assert_err(
+        load::<Cpu>(&q, &LoadOptions::default(), &dev).unwrap_err(),
+        &[
+            module,
+            "weight_scale",
+            "NaN",
+            "block 2",
+            "model.safetensors",
+        ],
+    );
+    patch_tensor(&file, &format!("{module}.weight_scale"), |b| b[2] = 0x30);
+    load::<Cpu>(&q, &LoadOptions::default(), &dev).unwrap();
+    patch_tensor(&file, &format!("{module}.weight_global_scale"), |b| {
+        b.copy_from_slice(&f32::INFINITY.to_le_bytes())
+    });
+    assert_err(
+        load::<Cpu>(&q, &LoadOptions::default(), &dev).unwrap_err(),
+        &[module, "weight_global_scale", "inf", "model.safetensors"],
+    );
+}

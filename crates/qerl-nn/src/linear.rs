@@ -162,6 +162,22 @@ impl<B: QerlBackend> Nvfp4Linear<B> {
         }
     }
 
+    /// Builds a [`Precision::Bf16`] layer around a dense weight already on the device,
+    /// `[d_output, d_input]` (the loader converts checkpoint bytes straight to the backend's
+    /// float type, on every core, and uploads them without an f32 copy).
+    pub fn from_dense_tensor(
+        name: &str,
+        weight: Tensor<B, 2>,
+        bias: Option<&[f32]>,
+        lora: Option<LoraConfig>,
+        device: &B::Device,
+    ) -> Result<Self, NnError> {
+        let [d_output, d_input] = weight.dims();
+        let mut layer = Self::empty(d_input, d_output, Precision::Bf16);
+        layer.dense = Some(frozen(weight));
+        layer.with_bias_and_lora(name, bias, lora, device)
+    }
+
     /// Builds the layer from an already quantized weight (e.g. read from a compressed-tensors
     /// checkpoint with `qerl_format::checkpoint::QuantizedCheckpoint`).
     pub fn from_quantized(

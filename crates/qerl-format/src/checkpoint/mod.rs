@@ -17,7 +17,7 @@ mod error;
 pub mod layout;
 pub mod names;
 pub(crate) mod outdir;
-mod par;
+pub mod par;
 pub mod pyjson;
 mod quantize;
 mod quantized;

@@ -128,19 +128,39 @@ impl QuantizedCheckpoint {
                     let why = format!("weight_global_scale has shape {:?}, not [1]", global.shape);
                     return Err(self.bad(module, "weight_global_scale", why));
                 };
+                let global_scale = f32::from_le_bytes(bytes);
+                if !global_scale.is_finite() || global_scale == 0.0 {
+                    let why = format!(
+                        "weight_global_scale is {global_scale}, not a finite non-zero number"
+                    );
+                    return Err(self.bad(module, "weight_global_scale", why));
+                }
+                // E4M3 has no infinities; 0x7f and 0xff are its NaNs.
+                if let Some(i) = scale.data.iter().position(|&b| b & 0x7f == 0x7f) {
+                    let why = format!(
+                        "weight_scale holds NaN (E4M3 byte {:#04x}) at block {i}",
+                        scale.data[i]
+                    );
+                    return Err(self.bad(module, "weight_scale", why));
+                }
                 let w = Nvfp4Weight::from_parts(
                     module,
                     rows,
                     cols,
                     packed,
                     scale.data.to_vec(),
-                    f32::from_le_bytes(bytes),
+                    global_scale,
                 )
                 .map_err(bad_parts)?;
                 Ok(QuantizedWeight::Nvfp4(w))
             }
             _ => {
                 let scale = self.part(module, "weight_scale", Dtype::U8)?;
+                // E8M0's 0xff is NaN.
+                if let Some(i) = scale.data.iter().position(|&b| b == 0xff) {
+                    let why = format!("weight_scale holds NaN (E8M0 byte 0xff) at block {i}");
+                    return Err(self.bad(module, "weight_scale", why));
+                }
                 let w = Mxfp4Weight::from_parts(module, rows, cols, packed, scale.data.to_vec())
                     .map_err(bad_parts)?;
                 Ok(QuantizedWeight::Mxfp4(w))
@@ -197,7 +217,12 @@ impl QuantizedCheckpoint {
                 "quant_map is not the NF4 table".into(),
             ));
         }
-        let w = Nf4Weight::from_parts(module, rows, cols, packed.data.to_vec(), f32s(absmax.data))
+        let absmax = f32s(absmax.data);
+        if let Some(i) = absmax.iter().position(|v| !v.is_finite()) {
+            let why = format!("weight.absmax holds {} at block {i}", absmax[i]);
+            return Err(self.bad(module, "weight.absmax", why));
+        }
+        let w = Nf4Weight::from_parts(module, rows, cols, packed.data.to_vec(), absmax)
             .map_err(|e| self.bad(module, "weight", e.to_string()))?;
         Ok(QuantizedWeight::Nf4(w))
     }
