@@ -260,3 +260,71 @@ fn existing_output_directory() {
     assert!(matches!(err, CheckpointError::OutputPath { .. }), "{err:?}");
     assert!(!input.join("q").exists());
 }
+
+#[test]
+fn staging_left_by_a_killed_run_is_removed_by_the_next() {
+    let tmp = tempfile::tempdir().unwrap();
+    with_spec(tmp.path(), 1, |_| {});
+    // A process id nobody has (no /proc entry), and one that is alive (init).
+    let dead = (4_000_000u32..)
+        .find(|p| !Path::new(&format!("/proc/{p}")).exists())
+        .unwrap();
+    let stale = tmp.path().join(format!(".out.qerl-tmp-{dead}"));
+    let live = tmp.path().join(".out.qerl-tmp-1");
+    let other = tmp.path().join(format!(".other.qerl-tmp-{dead}"));
+    for d in [&stale, &live, &other] {
+        std::fs::create_dir(d).unwrap();
+        std::fs::write(d.join("model.safetensors"), "half written").unwrap();
+    }
+    quantize_checkpoint(
+        &tmp.path().join("in"),
+        &tmp.path().join("out"),
+        QuantFormat::Nvfp4,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert!(!stale.exists(), "the killed run's staging is removed");
+    assert!(live.exists(), "a running process's staging is kept");
+    assert!(other.exists(), "another output's staging is not ours");
+}
+
+#[test]
+fn symlinks_in_the_input_copy_regular_files_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    with_spec(tmp.path(), 1, |_| {});
+    let input = tmp.path().join("in");
+    // A link to a regular file outside the tree (a Hugging Face snapshot's blobs) is copied
+    // as the file.
+    let blob = tmp.path().join("blob.json");
+    std::fs::write(&blob, "{\"a\": 1}").unwrap();
+    std::os::unix::fs::symlink(&blob, input.join("linked.json")).unwrap();
+    let out = tmp.path().join("out");
+    quantize_checkpoint(&input, &out, QuantFormat::Nvfp4, &mut |_| {}).unwrap();
+    let copied = out.join("linked.json");
+    assert!(!std::fs::symlink_metadata(&copied)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(std::fs::read_to_string(&copied).unwrap(), "{\"a\": 1}");
+    std::fs::remove_dir_all(&out).unwrap();
+    std::fs::remove_file(&blob).unwrap();
+    std::fs::remove_file(input.join("linked.json")).unwrap();
+
+    // A link to a directory (here a loop), to a device, or dangling is refused, naming it.
+    for (name, target, words) in [
+        ("loop", input.clone(), "to the directory"),
+        ("zero", "/dev/zero".into(), "not a regular file"),
+        ("gone", tmp.path().join("nothing"), "cannot be read"),
+    ] {
+        let link = input.join(name);
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let err = fails(tmp.path(), QuantFormat::Nvfp4);
+        assert!(matches!(err, CheckpointError::Symlink { .. }), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&link.display().to_string()) && msg.contains(words),
+            "{msg}"
+        );
+        std::fs::remove_file(&link).unwrap();
+    }
+}

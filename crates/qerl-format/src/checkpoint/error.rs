@@ -109,6 +109,11 @@ pub enum CheckpointError {
         module: String,
         why: String,
     },
+    /// A symbolic link in the input directory that is not copied: one to a directory (it may
+    /// loop or lead out of the tree) or to anything but a regular file (a device such as
+    /// `/dev/zero` never ends).
+    #[error("`{}` is a symbolic link {why}; qerl quantize copies only links to regular files: remove it or copy what it points to into the directory", path.display())]
+    Symlink { path: PathBuf, why: String },
     /// The output directory exists and is not empty.
     #[error("output directory `{}` exists and is not empty: refusing to overwrite it", path.display())]
     OutputExists { path: PathBuf },

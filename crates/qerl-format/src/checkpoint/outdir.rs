@@ -52,6 +52,7 @@ impl Staging {
         if parent_abs.join(&name).starts_with(&input_abs) {
             return Err(path_err(out, "it is the input directory or inside it"));
         }
+        remove_stale(&parent, &name)?;
         let tmp = parent.join(format!(".{name}.qerl-tmp-{}", std::process::id()));
         if tmp.exists() {
             // Left by an earlier run of this process id that was killed: ours to remove.
@@ -83,6 +84,33 @@ impl Staging {
     }
 }
 
+/// Removes the staging directories of earlier runs into `parent/name` that were killed
+/// (`.NAME.qerl-tmp-PID` whose process is gone), so that a `kill -9` leaves no half-written
+/// copy behind for longer than the next run. Where there is no `/proc` to ask, none is removed.
+fn remove_stale(parent: &Path, name: &str) -> Result<()> {
+    let proc = Path::new("/proc");
+    if !proc.join("self").exists() {
+        return Ok(());
+    }
+    let prefix = format!(".{name}.qerl-tmp-");
+    let entries = fs::read_dir(parent).map_err(io("cannot list", parent))?;
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(pid) = file_name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !proc.join(pid.to_string()).exists() {
+            let path = entry.path();
+            fs::remove_dir_all(&path).map_err(io("cannot remove stale", &path))?;
+        }
+    }
+    Ok(())
+}
+
 impl Drop for Staging {
     fn drop(&mut self) {
         if !self.committed {
@@ -107,8 +135,13 @@ fn is_weight_file(name: &str) -> bool {
     WEIGHT_EXTENSIONS.iter().any(|e| name.ends_with(e)) || name.ends_with(".index.json")
 }
 
-/// Copies every file of `src` into `dst` (recursively, following symlinks), except hidden
-/// entries, weight files and the top-level names in `skip`. Returns the copied relative paths.
+/// Copies every file of `src` into `dst` (recursively), except hidden entries, weight files
+/// and the top-level names in `skip`. Returns the copied relative paths.
+///
+/// A symbolic link to a regular file is copied as that file's content (a Hugging Face cache
+/// snapshot is made of such links into its `blobs`); a link to a directory or to anything else
+/// (a device, a FIFO, a dangling link) is refused, naming the link, before anything is copied
+/// from it.
 pub(crate) fn copy_other_files(
     src: &Path,
     dst: &Path,
@@ -138,7 +171,23 @@ fn copy_dir(
         }
         let from = entry.path();
         let to = dst.join(&name);
-        let meta = fs::metadata(&from).map_err(io("cannot read", &from))?;
+        let meta = fs::symlink_metadata(&from).map_err(io("cannot read", &from))?;
+        let meta = if meta.file_type().is_symlink() {
+            let why = |why: String| CheckpointError::Symlink {
+                path: from.clone(),
+                why,
+            };
+            let target = fs::read_link(&from).map_err(io("cannot read the link", &from))?;
+            let shown = target.display();
+            match fs::metadata(&from) {
+                Ok(m) if m.is_file() => m,
+                Ok(m) if m.is_dir() => return Err(why(format!("to the directory `{shown}`"))),
+                Ok(_) => return Err(why(format!("to `{shown}`, which is not a regular file"))),
+                Err(e) => return Err(why(format!("to `{shown}`, which cannot be read ({e})"))),
+            }
+        } else {
+            meta
+        };
         let rel = format!("{prefix}{name}");
         if meta.is_dir() {
             fs::create_dir(&to).map_err(io("cannot create", &to))?;

@@ -147,15 +147,14 @@ mod tests {
             assert_eq!(sum.into_inner(), n * (n + 1) / 2);
             let input: Vec<u16> = (0..2 * n).map(|i| i as u16).collect();
             let mut out = vec![0u32; n];
-            super::convert_into(&input, 2, &mut out, |i, o| {
-                for (o, p) in o.iter_mut().zip(i.chunks_exact(2)) {
-                    *o = p[0] as u32 + p[1] as u32;
+            super::convert_into(&input, 2, &mut out, |start, i, o| {
+                for (j, (o, p)) in o.iter_mut().zip(i.chunks_exact(2)).enumerate() {
+                    *o = p[0] as u32 + p[1] as u32 + (((start + j) as u32) << 20);
                 }
             });
-            assert!(out
-                .iter()
-                .enumerate()
-                .all(|(k, &v)| v == ((2 * k) as u16 as u32 + (2 * k + 1) as u16 as u32)));
+            let expect =
+                |k: usize| (2 * k) as u16 as u32 + (2 * k + 1) as u16 as u32 + ((k as u32) << 20);
+            assert!(out.iter().enumerate().all(|(k, &v)| v == expect(k)));
         }
     }
 }
