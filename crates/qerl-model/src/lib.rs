@@ -30,6 +30,7 @@ pub mod generate;
 mod load;
 mod load_host;
 mod model;
+pub mod random;
 pub mod rope;
 pub mod sampling;
 pub mod tokenizer;
