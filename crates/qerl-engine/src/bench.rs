@@ -101,6 +101,7 @@ pub fn rollout<R: Runtime, F: Float + CubeElement>(
             temperature: 1.0,
             seed: 7,
             eos: vec![],
+            truncation: Default::default(),
         };
         // Compile every kernel of this batch size (prefill and decode) before timing.
         engine.generate(&requests(2), &sampling)?;

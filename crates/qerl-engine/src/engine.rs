@@ -19,7 +19,7 @@ use cubecl::server::{Handle, ServerError};
 use crate::forward::{forward, KvCache, Pass, Workspace};
 use crate::kernels::fill::scatter;
 use crate::kernels::rope::{copy_prefix, rope_tables};
-use crate::kernels::sample::{sample, SlotState};
+use crate::kernels::sample::{sample, SlotState, Truncation};
 use crate::weights::EngineWeights;
 use crate::EngineError;
 
@@ -64,6 +64,8 @@ pub struct Sampling {
     pub seed: u32,
     /// Token ids that end a sequence (kept as its last token).
     pub eos: Vec<u32>,
+    /// Top-k / top-p truncation of the tempered distribution (default: none).
+    pub truncation: Truncation,
 }
 
 /// A finished request: generated ids, their log-probabilities under the sampling
@@ -311,6 +313,7 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
                 &state,
                 sampling.temperature,
                 sampling.seed,
+                sampling.truncation,
                 &self.ws.sample_scratch,
             );
             self.stats.decode_steps += 1;
@@ -499,6 +502,7 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
                     state,
                     sampling.temperature,
                     sampling.seed,
+                    sampling.truncation,
                     &this.ws.sample_scratch,
                 );
             }

@@ -17,6 +17,7 @@ use qerl_model::CausalLm;
 use qerl_nn::{NoisyRmsNorm, Nvfp4Linear};
 
 use crate::engine::{Engine, EngineConfig, Request, Sampling};
+use crate::kernels::sample::Truncation;
 use crate::shape::ModelShape;
 use crate::weights::{EngineWeights, Frozen, Layer, Linear, LoraWeights};
 use crate::EngineError;
@@ -134,10 +135,11 @@ where
     })
 }
 
-/// Whether the engine can run `config` (temperature or greedy sampling; top-k and top-p
-/// filtering are not implemented on the device yet).
+/// Whether the engine can run `config`: any valid sampling (greedy, temperature, top-k, top-p:
+/// transformers' warpers, as the burn path; the log-probabilities are the untruncated tempered
+/// ones, as there).
 pub fn supports(config: &GenerationConfig) -> bool {
-    config.sampling.top_k == 0 && config.sampling.top_p >= 1.0
+    config.sampling.validate().is_ok()
 }
 
 /// Most sequences the engine decodes at once from [`generate`].
@@ -208,6 +210,10 @@ where
         temperature: config.sampling.temperature,
         seed: (config.seed ^ (config.seed >> 32)) as u32,
         eos: config.eos_token_ids.clone(),
+        truncation: Truncation {
+            top_k: config.sampling.top_k,
+            top_p: config.sampling.top_p,
+        },
     };
     let out = engine.generate(&requests, &sampling)?;
     out.into_iter()

@@ -27,6 +27,7 @@ pub mod shape;
 pub mod weights;
 
 pub use engine::{Completion, Engine, EngineConfig, GenerateStats, Request, Sampling};
+pub use kernels::sample::Truncation;
 pub use shape::ModelShape;
 pub use weights::{EngineWeights, Frozen, Layer, Linear, LoraWeights, RandomPrecision};
 

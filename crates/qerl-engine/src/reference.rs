@@ -409,6 +409,7 @@ pub fn check_engine<R: Runtime, F: Float + CubeElement>(
         temperature: 0.0,
         seed: 1,
         eos: vec![],
+        truncation: Default::default(),
     };
     let got = engine.generate(&reqs, &sampling)?;
     let mut report = CheckReport {

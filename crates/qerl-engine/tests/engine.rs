@@ -56,6 +56,7 @@ fn greedy() -> Sampling {
         temperature: 0.0,
         seed: 1,
         eos: vec![],
+        truncation: Default::default(),
     }
 }
 
@@ -122,6 +123,7 @@ fn a_sampled_sequence_does_not_depend_on_its_batch() {
         temperature: 1.0,
         seed: 42,
         eos: vec![3, 4],
+        truncation: Default::default(),
     };
     let config = EngineConfig {
         slots: 3,

@@ -8,7 +8,7 @@ use qerl_engine::kernels::attention::{attention, AttentionScratch, AttentionShap
 use qerl_engine::kernels::dense::{dense, DenseEpilogue};
 use qerl_engine::kernels::norm::add_rms_norm;
 use qerl_engine::kernels::rope::{rope_kv, rope_tables, RopeShape};
-use qerl_engine::kernels::sample::{sample, SampleScratch, SlotState};
+use qerl_engine::kernels::sample::{sample, SampleScratch, SlotState, Truncation};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -303,7 +303,27 @@ fn sampling_over_vocabulary_chunks_matches_the_host() {
     let (vocab, slots) = (10_000usize, 4usize);
     let slot_of = [2u32, 0, 3];
     let rows = slot_of.len();
-    for temperature in [0.0f32, 0.7] {
+    let none = Truncation::default();
+    let top_k = Truncation {
+        top_k: 40,
+        top_p: 1.0,
+    };
+    let top_p = Truncation {
+        top_k: 0,
+        top_p: 0.9,
+    };
+    let both = Truncation {
+        top_k: 300,
+        top_p: 0.5,
+    };
+    for (temperature, trunc) in [
+        (0.0f32, none),
+        (0.7, none),
+        (0.7, top_k),
+        (1.3, top_p),
+        (0.9, both),
+        (0.0, both),
+    ] {
         let logits: Vec<f32> = (0..rows * vocab)
             .map(|_| g.random_range(-4.0f32..4.0))
             .collect();
@@ -338,6 +358,7 @@ fn sampling_over_vocabulary_chunks_matches_the_host() {
             &state,
             temperature,
             sample_seed,
+            trunc,
             &scratch,
         );
         let tokens = u32::from_bytes(&c.read_one(state.out_tokens.clone()).unwrap()).to_vec();
@@ -361,7 +382,38 @@ fn sampling_over_vocabulary_chunks_matches_the_host() {
                 let u = ((h >> 8) as f64 + 0.5) / 16_777_216.0;
                 x[v] - (-u.ln()).ln()
             };
+            // transformers' warpers: top-k (ties kept), then top-p over the renormalised rest
+            // (a token is kept when the strictly more likely ones hold less than p).
+            let mut order: Vec<usize> = (0..vocab).collect();
+            order.sort_by(|&a, &b| x[b].total_cmp(&x[a]));
+            let mut kept = vec![temperature == 0.0; vocab];
+            if temperature > 0.0 {
+                let kth = if trunc.top_k > 0 {
+                    x[order[trunc.top_k - 1]]
+                } else {
+                    f64::MIN
+                };
+                let in_k: Vec<usize> = order.iter().copied().filter(|&v| x[v] >= kth).collect();
+                let z: f64 = in_k.iter().map(|&v| (x[v] - x[order[0]]).exp()).sum();
+                // In decreasing order: the mass strictly above a group of equal values.
+                let mut above = 0.0f64;
+                let mut g = 0;
+                while g < in_k.len() {
+                    let mut end = g;
+                    let mut group = 0.0;
+                    while end < in_k.len() && x[in_k[end]] == x[in_k[g]] {
+                        group += (x[in_k[end]] - x[order[0]]).exp();
+                        end += 1;
+                    }
+                    for &v in &in_k[g..end] {
+                        kept[v] = above / z < trunc.top_p as f64;
+                    }
+                    above += group;
+                    g = end;
+                }
+            }
             let want = (0..vocab)
+                .filter(|&v| kept[v])
                 .max_by(|&a, &b| key(a).total_cmp(&key(b)).then(b.cmp(&a)))
                 .unwrap();
             let mx = x.iter().cloned().fold(f64::MIN, f64::max);
@@ -369,7 +421,7 @@ fn sampling_over_vocabulary_chunks_matches_the_host() {
             let at = slot * cap_new + generated[slot] as usize;
             assert_eq!(
                 tokens[at] as usize, want,
-                "T {temperature}, row {i}: token, seed {seed}"
+                "T {temperature} {trunc:?}, row {i}: token, seed {seed}"
             );
             let lp = x[want] - lse;
             assert!(

@@ -70,6 +70,142 @@ fn reduce_cube(
     }
 }
 
+/// Bisection steps of the top-k / top-p thresholds, over `[max − TRUNCATION_WINDOW, max]`.
+const TRUNCATION_STEPS: usize = 40;
+/// Width of the logit window the thresholds are searched in below the row's maximum (tokens
+/// further below have relative probability under e^-64), as in `qerl_model::sampling`.
+const TRUNCATION_WINDOW: f32 = 64.0;
+
+/// Sum of `v` over the cube, in shared memory; every unit gets it. Ends with a barrier so the
+/// buffer can be reused at once.
+#[cube]
+fn cube_total(partial: &mut SharedMemory<f32>, v: f32) -> f32 {
+    let t = UNIT_POS_X as usize;
+    partial[t] = v;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if t < stride {
+            partial[t] += partial[t + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let total = partial[0];
+    sync_cube();
+    total
+}
+
+/// One cube per row: the truncation of the tempered distribution `l = logits / T` as two
+/// thresholds, `thresh [rows, 2]`: a token is kept when `l >= thresh[0]` (top-k: the k-th
+/// largest value, ties kept) and `l > thresh[1]` (top-p over the top-k renormalised
+/// distribution: the tokens strictly more likely than a kept one hold less than `p`; the most
+/// likely token is always kept), transformers' warpers found by bisection instead of a sort.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn truncation_kernel(
+    logits: &Array<f32>,
+    thresh: &mut Array<f32>,
+    rows: u32,
+    vocab: u32,
+    inv_temperature: f32,
+    top_k: u32,
+    top_p: f32,
+    #[comptime] use_k: bool,
+    #[comptime] use_p: bool,
+) {
+    let mut partial = SharedMemory::<f32>::new(ROW_CUBE as usize);
+    let i = row_of_cube();
+    if i < rows as usize {
+        let t = UNIT_POS_X as usize;
+        let vocab = vocab as usize;
+        let row = i * vocab;
+        let step = ROW_CUBE as usize;
+        // The row's maximum, by a tree of maxima.
+        let mut m = f32::new(-3.0e38);
+        let mut v = t;
+        while v < vocab {
+            m = max(m, logits[row + v] * inv_temperature);
+            v += step;
+        }
+        partial[t] = m;
+        sync_cube();
+        let mut stride = CUBE_DIM_X as usize / 2;
+        while stride > 0 {
+            if t < stride {
+                partial[t] = max(partial[t], partial[t + stride]);
+            }
+            sync_cube();
+            stride /= 2;
+        }
+        let m = partial[0];
+        sync_cube();
+        let floor = m - TRUNCATION_WINDOW;
+        let mut tk = f32::new(-3.0e38);
+        if use_k {
+            // Largest threshold with at least k tokens at or above it.
+            let mut lo = floor;
+            let mut hi = m;
+            for _ in 0..TRUNCATION_STEPS {
+                let mid = 0.5f32 * (lo + hi);
+                let mut count = 0.0f32;
+                let mut v = t;
+                while v < vocab {
+                    if logits[row + v] * inv_temperature >= mid {
+                        count += 1.0f32;
+                    }
+                    v += step;
+                }
+                if cube_total(&mut partial, count) >= f32::cast_from(top_k) {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            tk = lo;
+        }
+        let mut tp = f32::new(-3.0e38);
+        if use_p {
+            // Mass of the top-k set, then the largest threshold whose strictly-greater mass
+            // still reaches p (its cut token is kept).
+            let mut z = 0.0f32;
+            let mut v = t;
+            while v < vocab {
+                let l = logits[row + v] * inv_temperature;
+                if l >= tk {
+                    z += f32::exp(l - m);
+                }
+                v += step;
+            }
+            let want = top_p * cube_total(&mut partial, z);
+            let mut lo = max(floor, tk);
+            let mut hi = m;
+            for _ in 0..TRUNCATION_STEPS {
+                let mid = 0.5f32 * (lo + hi);
+                let mut mass = 0.0f32;
+                let mut v = t;
+                while v < vocab {
+                    let l = logits[row + v] * inv_temperature;
+                    if l > mid && l >= tk {
+                        mass += f32::exp(l - m);
+                    }
+                    v += step;
+                }
+                if cube_total(&mut partial, mass) >= want {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            tp = lo;
+        }
+        if t == 0 {
+            thresh[i * 2] = tk;
+            thresh[i * 2 + 1] = tp;
+        }
+    }
+}
+
 /// One cube per (row, chunk of [`CHUNK`] vocabulary entries): the chunk's best Gumbel key and
 /// its id, and its log-sum-exp, into `part_f [rows, chunks, 3]` (key, m, s) and
 /// `part_id [rows, chunks]`.
@@ -80,6 +216,7 @@ fn partial_kernel(
     slot_of: &Array<u32>,
     generated: &Array<u32>,
     rng_id: &Array<u32>,
+    thresh: &Array<f32>,
     part_f: &mut Array<f32>,
     part_id: &mut Array<u32>,
     rows: u32,
@@ -88,6 +225,7 @@ fn partial_kernel(
     inv_temperature: f32,
     seed: u32,
     #[comptime] greedy: bool,
+    #[comptime] truncated: bool,
 ) {
     let mut best_key = SharedMemory::<f32>::new(ROW_CUBE as usize);
     let mut best_id = SharedMemory::<u32>::new(ROW_CUBE as usize);
@@ -108,6 +246,12 @@ fn partial_kernel(
         let mut m = f32::new(-3.0e38);
         let mut s = 0.0f32;
         let end = min((c + 1) * CHUNK, vocab);
+        let mut keep_at = f32::new(-3.0e38);
+        let mut keep_above = f32::new(-3.0e38);
+        if truncated {
+            keep_at = thresh[i * 2];
+            keep_above = thresh[i * 2 + 1];
+        }
         let mut v = c * CHUNK + t;
         while v < end {
             let x = logits[i * vocab + v] * inv_temperature;
@@ -119,6 +263,11 @@ fn partial_kernel(
                 let h = hash4(seed, req, gen, v as u32, 7u32);
                 let u = (f32::cast_from(h >> 8) + 0.5f32) * (1.0f32 / 16_777_216.0f32);
                 k = x - f32::ln(-f32::ln(u));
+            }
+            // Truncated tokens can never win (the log-sum-exp above still counts them: the
+            // log-probability is the untruncated tempered one, as the training forward's).
+            if truncated && (x < keep_at || x <= keep_above) {
+                k = f32::new(-3.0e38);
             }
             if k > key {
                 key = k;
@@ -236,6 +385,7 @@ fn sample_kernel(
 /// The per-chunk results of [`sample`] for up to `rows` logits rows, allocated once.
 #[derive(Debug)]
 pub struct SampleScratch {
+    thresh: Handle,
     part_f: Handle,
     part_id: Handle,
     rows: usize,
@@ -247,10 +397,28 @@ impl SampleScratch {
         let chunks = vocab.div_ceil(CHUNK).max(1);
         let n = rows.max(1) * chunks;
         SampleScratch {
+            thresh: client.empty(rows.max(1) * 2 * 4),
             part_f: client.empty(n * 3 * 4),
             part_id: client.empty(n * 4),
             rows: rows.max(1),
             chunks,
+        }
+    }
+}
+
+/// Truncation of the sampling distribution (transformers' top-k then top-p warpers): `top_k`
+/// 0 and `top_p` 1 keep every token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Truncation {
+    pub top_k: usize,
+    pub top_p: f32,
+}
+
+impl Default for Truncation {
+    fn default() -> Self {
+        Truncation {
+            top_k: 0,
+            top_p: 1.0,
         }
     }
 }
@@ -289,6 +457,7 @@ pub fn sample<R: Runtime>(
     state: &SlotState,
     temperature: f32,
     seed: u32,
+    truncation: Truncation,
     scratch: &SampleScratch,
 ) {
     assert!(
@@ -297,6 +466,10 @@ pub fn sample<R: Runtime>(
     );
     let chunks = scratch.chunks;
     let greedy = temperature <= 0.0;
+    // Greedy picks the most likely token, which every truncation keeps.
+    let use_k = !greedy && truncation.top_k > 0 && truncation.top_k < vocab;
+    let use_p = !greedy && truncation.top_p < 1.0;
+    let truncated = use_k || use_p;
     let inv_t = if greedy { 1.0 } else { 1.0 / temperature };
     let n = state.slots;
     let out = state.requests * state.capacity_new;
@@ -305,6 +478,22 @@ pub fn sample<R: Runtime>(
     // slot's generated count reach `capacity_new` before it is finished (max_new <=
     // capacity_new).
     unsafe {
+        if truncated {
+            truncation_kernel::launch_unchecked::<R>(
+                client,
+                grid_rows(rows),
+                CubeDim::new_1d(ROW_CUBE),
+                ArrayArg::from_raw_parts(logits.clone(), rows * vocab),
+                ArrayArg::from_raw_parts(scratch.thresh.clone(), rows * 2),
+                rows as u32,
+                vocab as u32,
+                inv_t,
+                truncation.top_k as u32,
+                truncation.top_p,
+                use_k,
+                use_p,
+            );
+        }
         partial_kernel::launch_unchecked::<R>(
             client,
             grid_rows(rows * chunks),
@@ -313,6 +502,7 @@ pub fn sample<R: Runtime>(
             ArrayArg::from_raw_parts(slot_of.clone(), rows),
             ArrayArg::from_raw_parts(state.generated.clone(), n),
             ArrayArg::from_raw_parts(state.rng_id.clone(), n),
+            ArrayArg::from_raw_parts(scratch.thresh.clone(), rows * 2),
             ArrayArg::from_raw_parts(scratch.part_f.clone(), rows * chunks * 3),
             ArrayArg::from_raw_parts(scratch.part_id.clone(), rows * chunks),
             rows as u32,
@@ -321,6 +511,7 @@ pub fn sample<R: Runtime>(
             inv_t,
             seed,
             greedy,
+            truncated,
         );
         sample_kernel::launch_unchecked::<R>(
             client,
