@@ -23,6 +23,8 @@ pub struct RolloutSpec {
     pub prompt_tokens: usize,
     pub new_tokens: usize,
     pub prefill_rows: usize,
+    /// Top-k / top-p of the sampling (T = 1).
+    pub truncation: crate::Truncation,
 }
 
 /// One measured batch size.
@@ -101,7 +103,7 @@ pub fn rollout<R: Runtime, F: Float + CubeElement>(
             temperature: 1.0,
             seed: 7,
             eos: vec![],
-            truncation: Default::default(),
+            truncation: spec.truncation,
         };
         // Compile every kernel of this batch size (prefill and decode) before timing.
         engine.generate(&requests(2), &sampling)?;

@@ -46,6 +46,12 @@ pub struct RolloutArgs {
     pub prefill_rows: usize,
     #[arg(long, value_enum, default_value = "cuda")]
     pub device: DeviceArg,
+    /// Sample from the top-k tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Sample from the nucleus of this probability (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
     /// Skip the correctness check against the host reference.
     #[arg(long)]
     pub no_check: bool,
@@ -140,6 +146,10 @@ fn bench_on<R: Runtime, F: Float + CubeElement>(
             prompt_tokens: a.prompt,
             new_tokens: a.new_tokens,
             prefill_rows: a.prefill_rows,
+            truncation: qerl_engine::Truncation {
+                top_k: a.top_k,
+                top_p: a.top_p,
+            },
         };
         let rows = rollout::<R, F>(client, &spec, |r| println!("{}", line(r)))
             .with_context(|| format!("{} {precision:?}", shape.name))?;
