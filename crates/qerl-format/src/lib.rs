@@ -8,7 +8,8 @@
 //! Every format quantizes a row-major `[out, in]` matrix along `in` and has `quantize`,
 //! `dequantize`, `pack` and `unpack`. [`QuantizedWeight`] holds any of them.
 //! [`checkpoint`] reads Hugging Face checkpoints and writes quantized ones; [`gguf`] converts
-//! llama.cpp's GGUF files into Hugging Face checkpoints.
+//! llama.cpp's GGUF files into Hugging Face checkpoints. [`small_file`] reads configuration
+//! files whole, refusing devices and files past a size limit.
 
 pub mod checkpoint;
 pub mod e2m1;
@@ -18,6 +19,7 @@ pub mod gguf;
 pub mod mxfp4;
 pub mod nf4;
 pub mod nvfp4;
+pub mod small_file;
 
 pub use error::{FormatError, Result};
 pub use mxfp4::Mxfp4Weight;

@@ -106,7 +106,7 @@ pub(crate) fn config_err(
 
 /// Reads and parses a JSON file.
 pub(crate) fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
-    let text = std::fs::read(path).map_err(|source| ModelError::Io {
+    let text = qerl_format::small_file::read_small_file(path).map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
         source,
     })?;

@@ -30,10 +30,14 @@ impl std::fmt::Debug for Tokenizer {
 impl Tokenizer {
     /// Loads a `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        if !path.is_file() {
+        if let Err(e) = qerl_format::small_file::check_small_file(path) {
+            let why = match e.kind() {
+                std::io::ErrorKind::NotFound => "no such file".to_string(),
+                _ => e.to_string(),
+            };
             return Err(ModelError::Tokenizer {
                 path: path.to_path_buf(),
-                why: "no such file".into(),
+                why,
             });
         }
         let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| ModelError::Tokenizer {

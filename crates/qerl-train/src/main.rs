@@ -41,6 +41,9 @@ enum Command {
     Reward(cmd::reward::Args),
     /// Benchmarks: `qerl bench rollout` (the rollout engine on random weights of a preset shape).
     Bench(cmd::bench::Args),
+    /// Compile the kernels a run will need once (a load, short generations, with --train one
+    /// training step), and print where the kernel cache lives.
+    Warmup(cmd::warmup::Args),
     /// Make a small math model from scratch: synthetic problems, a BPE tokenizer, supervised
     /// training of a Qwen2 model, a Hugging Face checkpoint and its held-out accuracy.
     Sft(cmd::sft::Args),
@@ -64,10 +67,16 @@ fn main() {
         Some(Command::Reward(args)) => cmd::reward::run(args),
         Some(Command::Sft(args)) => cmd::sft::run(args),
         Some(Command::Bench(args)) => cmd::bench::run(args),
+        Some(Command::Warmup(args)) => cmd::warmup::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {}", error_chain(&err));
         std::process::exit(1);
+    }
+    // Stopped by Ctrl-C (SIGINT) or SIGTERM after saving what it had: 130, as shells expect of
+    // an interrupted command, so that `qerl train ... && next` does not go on.
+    if qerl_train::signal::requested() {
+        std::process::exit(qerl_train::signal::INTERRUPTED_EXIT);
     }
 }
 

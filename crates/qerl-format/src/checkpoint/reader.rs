@@ -323,7 +323,7 @@ pub fn bytes_to_f32(data: &[u8], dtype: SourceDtype) -> Vec<f32> {
 }
 
 pub(crate) fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read(path).map_err(io("cannot read", path))?;
+    let text = crate::small_file::read_small_file(path).map_err(io("cannot read", path))?;
     serde_json::from_slice(&text).map_err(|source| CheckpointError::Json {
         path: path.to_path_buf(),
         source,

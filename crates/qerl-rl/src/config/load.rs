@@ -107,10 +107,11 @@ impl TrainConfig {
 
     /// Reads, overrides, deserialises and validates a config file.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text =
+            qerl_format::small_file::read_small_text(path).map_err(|source| ConfigError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
         Self::from_toml_with_overrides(&text, &path.display().to_string(), overrides)
     }
 }

@@ -21,6 +21,8 @@ pub struct Args {
 pub enum What {
     /// Generation throughput of the rollout engine (tokens/s, ms per step, weight bandwidth).
     Rollout(RolloutArgs),
+    /// Checkpoint load throughput (read, convert, upload) on a random Qwen2.5-shaped model.
+    Load(super::bench_load::LoadArgs),
 }
 
 #[derive(ClapArgs, Debug)]
@@ -63,6 +65,7 @@ pub struct RolloutArgs {
 pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Rollout(a) => run_rollout(a),
+        What::Load(a) => super::bench_load::run(a),
     }
 }
 

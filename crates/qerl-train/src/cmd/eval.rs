@@ -28,7 +28,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub limit: usize,
     /// Samples per question (pass@1 is their mean correctness).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::positive)]
     pub samples: usize,
     #[arg(long, default_value_t = 0.6)]
     pub temperature: f32,
@@ -39,7 +39,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Questions generated together (each with its K samples).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = super::positive)]
     pub batch: usize,
     /// Per-sample output (default: eval-<dataset>.jsonl).
     #[arg(long)]
@@ -90,7 +90,7 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
         chat: (!args.no_chat)
             .then(|| ChatTemplate::for_model(dir))
             .transpose()?,
-        samples: args.samples.max(1),
+        samples: args.samples,
         temperature: args.temperature,
         top_p: args.top_p,
         max_new_tokens: args.max_new_tokens,
@@ -117,9 +117,11 @@ fn run_on<B: QerlBackend>(args: &Args, device: &B::Device) -> Result<()> {
             "strict_answer": v.strict_answer, "flexible_answer": v.flexible_answer,
             "tokens": r.tokens, "finish": r.finish,
         });
-        writeln!(out, "{line}")?;
+        writeln!(out, "{line}")
+            .with_context(|| format!("cannot write `{}`", out_path.display()))?;
     }
-    out.flush()?;
+    out.flush()
+        .with_context(|| format!("cannot write `{}`", out_path.display()))?;
     let (tally, tokens, k) = (&report.tally, report.tokens, spec.samples);
     let secs = report.seconds;
     println!("| dataset | model | adapter | questions | samples/q | pass@1 strict | pass@1 flexible | pass@{k} strict |");

@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use qerl_model::generate::truncate_at_stop;
 use qerl_model::{
-    config::eos_token_ids, load_with_adapter, Adapter, CausalLm, ChatTemplate, FinishReason,
+    config::eos_token_ids, load_with_stats, Adapter, CausalLm, ChatTemplate, FinishReason,
     GenerationConfig, GenerationDefaults, LoadOptions, Message, Precision, QerlBackend,
     SamplingParams, Tokenizer,
 };
@@ -122,14 +122,14 @@ pub fn load<B: QerlBackend>(args: &ModelArgs, device: &B::Device) -> Result<Load
         precision: args.precision.map(Precision::from),
         ..LoadOptions::default()
     };
-    let model = load_with_adapter::<B>(&args.model, &options, adapter.as_ref(), device)
+    let (model, stats) = load_with_stats::<B>(&args.model, &options, adapter.as_ref(), device)
         .with_context(|| format!("cannot load the model in `{}`", args.model.display()))?;
     let precision = model
         .layers
         .first()
         .map_or(Precision::Bf16, |l| l.self_attn.q_proj.precision());
     eprintln!(
-        "loaded {} ({} layers, {precision}) on {:?} in {:.2}s",
+        "loaded {} ({} layers, {precision}) on {:?} in {:.2}s; weights: {stats}",
         args.model.display(),
         model.config().num_hidden_layers,
         args.device,

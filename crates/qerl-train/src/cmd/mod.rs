@@ -1,6 +1,7 @@
 //! One module per `qerl` subcommand: each has `Args` (clap) and `run(Args) -> anyhow::Result<()>`.
 
 pub mod bench;
+pub mod bench_load;
 pub mod convert;
 pub mod demo;
 pub mod eval;
@@ -10,6 +11,17 @@ pub mod reward;
 pub mod score;
 pub mod sft;
 pub mod train;
+pub mod warmup;
+
+/// A count that must be at least 1 (`--samples`, `--batch`): clap refuses 0 with this message
+/// instead of the command quietly running with 1.
+pub fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("`{s}` is not a whole number: {e}")),
+    }
+}
 
 /// Whether an NVIDIA GPU is visible (its device nodes exist).
 pub fn gpu_present() -> bool {

@@ -55,7 +55,7 @@ pub fn run(args: Args) -> Result<()> {
     let (mut n, mut total, mut correct, mut strict, mut flexible, mut failures) =
         (0usize, 0f64, 0usize, 0usize, 0usize, 0usize);
     for (i, line) in std::io::BufReader::new(input).lines().enumerate() {
-        let line = line?;
+        let line = line.with_context(|| format!("cannot read `{}`", args.completions.display()))?;
         if line.trim().is_empty() {
             continue;
         }
@@ -131,7 +131,8 @@ pub fn run(args: Args) -> Result<()> {
                 "line": i + 1, "id": id, "reward": s.total, "rewards": per, "correct": s.correct,
                 "strict": verdict.strict, "flexible": verdict.flexible, "failures": fails,
             })
-        )?;
+        )
+        .with_context(|| format!("cannot write `{}`", out_path.display()))?;
         n += 1;
         total += s.total as f64;
         correct += (s.correct == Some(true)) as usize;
@@ -139,7 +140,8 @@ pub fn run(args: Args) -> Result<()> {
         flexible += verdict.flexible as usize;
         failures += s.failures.len();
     }
-    out.flush()?;
+    out.flush()
+        .with_context(|| format!("cannot write `{}`", out_path.display()))?;
     let d = n.max(1) as f64;
     println!("| completions | mean reward | accuracy | strict | flexible | reward failures |");
     println!("| --- | --- | --- | --- | --- | --- |");

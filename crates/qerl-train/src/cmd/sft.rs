@@ -65,7 +65,7 @@ pub struct Args {
     #[arg(long, default_value_t = 3000)]
     pub steps: usize,
     /// Sequences per step.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = super::positive)]
     pub batch: usize,
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
@@ -182,10 +182,12 @@ fn write_jsonl(path: &Path, problems: &[SynthProblem]) -> Result<()> {
         std::fs::File::create(path)
             .with_context(|| format!("cannot create `{}`", path.display()))?,
     );
+    let named = || format!("cannot write `{}`", path.display());
     for p in problems {
-        writeln!(f, "{}", json!({"question": p.question, "answer": p.answer}))?;
+        writeln!(f, "{}", json!({"question": p.question, "answer": p.answer}))
+            .with_context(named)?;
     }
-    f.flush()?;
+    f.flush().with_context(named)?;
     Ok(())
 }
 
@@ -325,7 +327,8 @@ where
         qerl_train::signal::requested,
     )?;
     pb.finish_and_clear();
-    log.flush()?;
+    log.flush()
+        .with_context(|| format!("cannot write `{}`", log_path.display()))?;
     let train_secs = t_train.elapsed().as_secs_f64();
     eprintln!(
         "trained {steps_done} steps in {train_secs:.0}s ({:.0} completion tokens/s), final loss {last_loss:.4}",

@@ -72,8 +72,9 @@ pub fn write_atomically(
     std::fs::create_dir_all(parent)
         .with_context(|| format!("cannot create `{}`", parent.display()))?;
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let named = |what: &str, path: &Path| format!("cannot {what} `{}`", path.display());
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)?;
+        std::fs::remove_dir_all(&tmp).with_context(|| named("remove", &tmp))?;
     }
     std::fs::create_dir(&tmp).with_context(|| format!("cannot create `{}`", tmp.display()))?;
     if let Err(e) = fill(&tmp) {
@@ -83,9 +84,9 @@ pub fn write_atomically(
     let dest = parent.join(name);
     if dest.exists() {
         let old = parent.join(format!(".{name}.old-{}", std::process::id()));
-        std::fs::rename(&dest, &old)?;
-        std::fs::rename(&tmp, &dest)?;
-        std::fs::remove_dir_all(&old)?;
+        std::fs::rename(&dest, &old).with_context(|| named("move aside", &dest))?;
+        std::fs::rename(&tmp, &dest).with_context(|| named("move the checkpoint to", &dest))?;
+        std::fs::remove_dir_all(&old).with_context(|| named("remove", &old))?;
     } else {
         std::fs::rename(&tmp, &dest)
             .with_context(|| format!("cannot move the checkpoint to `{}`", dest.display()))?;
@@ -93,8 +94,9 @@ pub fn write_atomically(
     // `latest` names the newest checkpoint (for `--resume RUN_DIR`).
     let latest = parent.join("latest");
     let tmp_latest = parent.join(format!(".latest.tmp-{}", std::process::id()));
-    std::fs::write(&tmp_latest, format!("{name}\n"))?;
-    std::fs::rename(&tmp_latest, &latest)?;
+    std::fs::write(&tmp_latest, format!("{name}\n"))
+        .with_context(|| named("write", &tmp_latest))?;
+    std::fs::rename(&tmp_latest, &latest).with_context(|| named("replace", &latest))?;
     Ok(dest)
 }
 

@@ -64,7 +64,8 @@ fn open_metrics(path: &std::path::Path, step: usize) -> Result<MetricsWriter> {
                 .filter(|m| m.step < step)
                 .collect()
         };
-        std::fs::remove_file(path)?;
+        std::fs::remove_file(path)
+            .with_context(|| format!("cannot replace `{}`", path.display()))?;
         let mut w = MetricsWriter::append(path)?;
         for m in &keep {
             w.write(m)?;
@@ -147,7 +148,7 @@ impl HeldOut {
             .append(true)
             .open(&self.path)
             .with_context(|| format!("cannot write `{}`", self.path.display()))?;
-        writeln!(f, "{line}")?;
+        writeln!(f, "{line}").with_context(|| format!("cannot write `{}`", self.path.display()))?;
         Ok(r.tally.strict())
     }
 }
@@ -183,7 +184,9 @@ pub fn run<B: TrainBackend>(trainer: &mut Trainer<B>, options: &RunOptions) -> R
             .with_context(|| format!("cannot create `{}`", out.display()))?;
         writer = Some(open_metrics(&metrics_path, trainer.state.step)?);
         if trainer.state.step == 0 {
-            std::fs::write(out.join("config.toml"), c.to_toml())?;
+            let path = out.join("config.toml");
+            std::fs::write(&path, c.to_toml())
+                .with_context(|| format!("cannot write `{}`", path.display()))?;
         }
     }
     let total = c.train.steps;

@@ -1,14 +1,18 @@
 //! Ctrl-C: the first SIGINT (or SIGTERM) sets a flag the training loop checks between steps
-//! (it then saves a checkpoint and exits); a second one ends the process at once.
+//! (it then saves a checkpoint and exits with [`INTERRUPTED_EXIT`]); a second one ends the
+//! process at once, with the same status.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The exit status of an interrupted command: 128 + SIGINT, what shells report for Ctrl-C.
+pub const INTERRUPTED_EXIT: i32 = 130;
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_signal(_: libc::c_int) {
     if STOP.swap(true, Ordering::SeqCst) {
         // second signal: leave now (async-signal-safe)
-        unsafe { libc::_exit(130) };
+        unsafe { libc::_exit(INTERRUPTED_EXIT) };
     }
 }
 

@@ -531,11 +531,16 @@ impl<B: TrainBackend> Trainer<B> {
         state.param_ids = peft::param_ids(model);
         checkpoint::write_atomically(&c.train.output_dir, &name, |dir| {
             peft::write_adapter(model, &meta, dir)?;
+            let optimizer = dir.join(OPTIMIZER_FILE);
             NamedMpkFileRecorder::<FullPrecisionSettings>::new()
-                .record(record, dir.join(OPTIMIZER_FILE))
-                .context("cannot write the optimizer state")?;
+                .record(record, optimizer.clone())
+                .with_context(|| {
+                    format!("cannot write the optimizer state `{}`", optimizer.display())
+                })?;
             state.write(dir)?;
-            std::fs::write(dir.join(CONFIG_FILE), c.to_toml())?;
+            let config = dir.join(CONFIG_FILE);
+            std::fs::write(&config, c.to_toml())
+                .with_context(|| format!("cannot write `{}`", config.display()))?;
             Ok(())
         })
     }
