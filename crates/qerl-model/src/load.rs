@@ -69,11 +69,16 @@ pub struct LoadStats {
 impl std::fmt::Display for LoadStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let secs = self.total.as_secs_f64();
+        let gb = self.bytes as f64 / 1e9;
+        let size = if gb >= 1.0 {
+            format!("{gb:.2} GB")
+        } else {
+            format!("{:.1} MB", gb * 1e3)
+        };
         write!(
             f,
-            "{:.2} GB in {secs:.2} s ({:.2} GB/s): read {:.2} s, convert {:.2} s, upload {:.2} s",
-            self.bytes as f64 / 1e9,
-            self.bytes as f64 / 1e9 / secs.max(1e-9),
+            "{size} in {secs:.2} s ({:.2} GB/s): read {:.2} s, convert {:.2} s, upload {:.2} s",
+            gb / secs.max(1e-9),
             self.read.as_secs_f64(),
             self.convert.as_secs_f64(),
             self.upload.as_secs_f64()
