@@ -119,13 +119,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
     }
 }
 
-fn gradients<B: AutodiffBackend>(
+fn gradients<B: AutodiffBackend + QerlBackend>(
     m: &CausalLm<B>,
     grads: &B::Gradients,
-) -> Vec<(ParamId, Option<Vec<f32>>)>
-where
-    B: QerlBackend,
-{
+) -> Vec<(ParamId, Option<Vec<f32>>)> {
     let mut c = Collect {
         grads,
         out: Vec::new(),
