@@ -18,7 +18,7 @@ cache = { file = "$WORK/cache" }
 TOML
 export CUDA_CACHE_PATH=$WORK/cache/nv CUDA_CACHE_MAXSIZE=4294967296
 fresh() { rm -rf "$WORK/cache"; mkdir -p "$WORK/cache"; }
-secs() { local s=$(date +%s.%N); "$@" >/dev/null 2>"$WORK/last.err" || { cat "$WORK/last.err"; exit 1; }; echo "$(date +%s.%N) - $s" | bc; }
+secs() { local s=$(date +%s.%N); "$@" >/dev/null 2>"$WORK/last.err" || { cat "$WORK/last.err"; exit 1; }; python3 -c "import sys; print(round(float(sys.argv[1]) - float(sys.argv[2]), 2))" "$(date +%s.%N)" "$s"; }
 
 echo "== load throughput ($SHAPE, page cache after the first load)"
 "$QERL" bench load --shape "$SHAPE" --dir "$WORK/ckpt" --device cuda --repeat 3
