@@ -156,6 +156,10 @@ pub struct OptimConfig {
     pub grad_clip: f32,
     /// Micro-batches per optimizer step.
     pub grad_accum: usize,
+    /// Activation checkpointing per decoder layer in the update: keep each layer's input and
+    /// recompute the layer in the backward (one more forward; the activations of one layer
+    /// alive at a time instead of all of them).
+    pub activation_checkpointing: bool,
 }
 
 impl Default for OptimConfig {
@@ -171,6 +175,7 @@ impl Default for OptimConfig {
             epsilon: 1e-8,
             grad_clip: 0.2,
             grad_accum: 1,
+            activation_checkpointing: true,
         }
     }
 }
