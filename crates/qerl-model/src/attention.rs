@@ -1,9 +1,18 @@
 //! Grouped-query self-attention with HF rotate-half RoPE and a preallocated KV cache.
+//!
+//! A pass that starts at position 0 with keys masked by one run per row (the training forward
+//! and a prefill, right or left padded) runs the fused kernel ([`qerl_nn::causal_attention`]):
+//! no `[batch, kv, group, seq, seq]` scores or probabilities, in the forward or kept for the
+//! backward. Other passes (decode steps over the cache) and every pass under
+//! `QERL_ATTENTION=decomposed` ([`set_attention_path`]) build the scores with matmuls and an
+//! f32 bias: the reference the fused path is tested against.
+
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{activation::softmax, Bool, DType, Tensor, TensorData};
-use qerl_nn::{Nvfp4Linear, QerlBackend};
+use qerl_nn::{causal_attention, key_ranges, KeyRanges, Nvfp4Linear, QerlBackend};
 
 use crate::batch::MASKED;
 use crate::rope::apply_rotary;
@@ -31,6 +40,64 @@ pub(crate) fn attention_bias<B: Backend>(
         .reshape([batch, 1, 1, seq, keys])
 }
 
+/// How attention is computed where the fused kernel applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// The fused op (flash-attention style kernels on CubeCL backends).
+    Fused,
+    /// Scores and probabilities with matmuls and an f32 bias (the reference).
+    Decomposed,
+}
+
+/// 0: not chosen yet (read `QERL_ATTENTION`), 1: fused, 2: decomposed.
+static ATTENTION_PATH: AtomicU8 = AtomicU8::new(0);
+
+/// The path in use: [`set_attention_path`]'s, else `QERL_ATTENTION` (`fused`, the default, or
+/// `decomposed`), read once.
+pub fn attention_path() -> AttentionPath {
+    match ATTENTION_PATH.load(Ordering::Relaxed) {
+        1 => AttentionPath::Fused,
+        2 => AttentionPath::Decomposed,
+        _ => {
+            let path = match std::env::var("QERL_ATTENTION").as_deref() {
+                Ok("decomposed") => AttentionPath::Decomposed,
+                Ok("fused") | Err(_) => AttentionPath::Fused,
+                Ok(other) => {
+                    eprintln!("warning: QERL_ATTENTION={other} is neither fused nor decomposed; using fused");
+                    AttentionPath::Fused
+                }
+            };
+            set_attention_path(path);
+            path
+        }
+    }
+}
+
+/// Chooses the attention path for the rest of the process (tests compare the two).
+pub fn set_attention_path(path: AttentionPath) {
+    let code = match path {
+        AttentionPath::Fused => 1,
+        AttentionPath::Decomposed => 2,
+    };
+    ATTENTION_PATH.store(code, Ordering::Relaxed);
+}
+
+/// Each row's visible keys when the fused path applies to `seq` new tokens written at column
+/// `offset` over a key mask `[batch, keys]`: from position 0, one run of keys per row within the
+/// new tokens, and the fused path chosen.
+pub(crate) fn fused_ranges(
+    key_mask: &[bool],
+    batch: usize,
+    seq: usize,
+    keys: usize,
+    offset: usize,
+) -> Option<KeyRanges> {
+    if offset != 0 || attention_path() != AttentionPath::Fused {
+        return None;
+    }
+    key_ranges(key_mask, batch, keys, seq)
+}
+
 /// What every layer of one forward pass shares: RoPE tables, the attention bias and whether the
 /// LoRA adapters are applied.
 pub(crate) struct Step<B: QerlBackend> {
@@ -43,6 +110,9 @@ pub(crate) struct Step<B: QerlBackend> {
     /// Column of the cache the first new token is written to (0 without a cache).
     pub offset: usize,
     pub lora: bool,
+    /// Each row's visible keys `[start, end)` among the new tokens when the pass runs the
+    /// fused attention ([`fused_ranges`]); `None`: the bias above.
+    pub fused: Option<KeyRanges>,
 }
 
 /// One layer's cached keys and values, `[batch, kv_heads, capacity, head_dim]` each (held in
@@ -123,6 +193,9 @@ impl<B: QerlBackend> Attention<B> {
         );
         let v = heads(linear(&self.v_proj, x, step.lora), kv);
 
+        // The new keys and values (the fused path attends to these only: with a cache, the
+        // columns past them are masked anyway).
+        let (k_new, v_new) = (k.clone(), v.clone());
         let (k, v) = match cache {
             None => (k, v),
             Some(c) => {
@@ -145,25 +218,38 @@ impl<B: QerlBackend> Attention<B> {
                 (k, v)
             }
         };
-        let keys = k.dims()[2];
-        let group = h / kv;
-        let dtype = q.dtype();
-        // [b, h, s, d] -> [b, kv, group * s, d]: the queries of one kv head side by side.
-        let q = q.reshape([b, kv, group * s, d]);
-        let scores = q
-            .matmul(k.swap_dims(2, 3))
-            .mul_scalar((d as f64).powf(-0.5));
-        let scores = scores.reshape([b, kv, group, s, keys]).cast(DType::F32) + step.bias.clone();
-        let probs = softmax(scores, 4)
-            .cast(dtype)
-            .reshape([b, kv, group * s, keys]);
-        let out = probs
-            .matmul(v)
-            .reshape([b, h, s, d])
-            .swap_dims(1, 2)
-            .reshape([b, s, h * d]);
+        let scale = (d as f64).powf(-0.5);
+        let out = match &step.fused {
+            Some(ranges) => causal_attention(q, k_new, v_new, ranges, scale as f32),
+            None => decomposed(q, k, v, &step.bias, scale),
+        };
+        let out = out.swap_dims(1, 2).reshape([b, s, h * d]);
         linear(&self.o_proj, out, step.lora)
     }
+}
+
+/// `softmax(q·kᵀ·scale + bias)·v` with matmuls: `q [b, h, s, d]`, `k`, `v [b, kv, keys, d]`,
+/// `bias [b, 1, 1, s, keys]` (f32) -> `[b, h, s, d]`. Scores and probabilities
+/// `[b, kv, h / kv, s, keys]` exist in f32 and in the float type.
+fn decomposed<B: QerlBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    bias: &Tensor<B, 5>,
+    scale: f64,
+) -> Tensor<B, 4> {
+    let [b, h, s, d] = q.dims();
+    let [_, kv, keys, _] = k.dims();
+    let group = h / kv;
+    let dtype = q.dtype();
+    // [b, h, s, d] -> [b, kv, group * s, d]: the queries of one kv head side by side.
+    let q = q.reshape([b, kv, group * s, d]);
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+    let scores = scores.reshape([b, kv, group, s, keys]).cast(DType::F32) + bias.clone();
+    let probs = softmax(scores, 4)
+        .cast(dtype)
+        .reshape([b, kv, group * s, keys]);
+    probs.matmul(v).reshape([b, h, s, d])
 }
 
 #[cfg(test)]

@@ -92,6 +92,7 @@ fn inner_step<B: AutodiffBackend<InnerBackend: QerlBackend> + QerlBackend>(
         bias: step.bias.clone().inner(),
         offset: step.offset,
         lora: step.lora,
+        fused: step.fused.clone(),
     }
 }
 

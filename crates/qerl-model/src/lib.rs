@@ -37,7 +37,7 @@ pub mod tokenizer;
 
 pub use adapter::{Adapter, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 pub use adapter_norms::LEGACY_NORMS_FILE;
-pub use attention::Attention;
+pub use attention::{attention_path, set_attention_path, Attention, AttentionPath};
 pub use batch::{Padding, TokenBatch};
 pub use checkpoint::LayerCheckpoints;
 pub use config::{Architecture, GenerationDefaults, ModelConfig, RopeScaling};

@@ -210,6 +210,7 @@ impl<B: QerlBackend> CausalLm<B> {
             bias,
             offset,
             lora,
+            fused: crate::attention::fused_ranges(key_mask, batch, seq, keys, offset),
         }
     }
 

@@ -54,6 +54,47 @@ pub trait QerlBackend: Backend {
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
+    /// Causal attention over `q [b, h, s, d]`, `k`, `v [b, kv, s, d]` with per-row visible keys
+    /// `ranges` ([`crate::attention`]): `(out [b, h, s, d], lse [b, h, s] f32)`. The default
+    /// runs burn ops in f32; CubeCL backends run the fused kernel.
+    fn attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        ranges: &[(usize, usize)],
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        crate::attention::forward_prim::<Self>(q, k, v, ranges, scale)
+    }
+
+    /// Backward of [`attention_forward`](Self::attention_forward) from its output, `lse` and
+    /// the upstream `d_out`: `(dq, dk, dv)`, shaped as `q`, `k`, `v`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        ranges: &[(usize, usize)],
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        crate::attention::backward_prim::<Self>(q, k, v, out, lse, d_out, ranges, scale)
+    }
+
+    /// The output of [`attention_forward`](Self::attention_forward); `Autodiff<B>` records the
+    /// fused backward ([`crate::causal_attention`]).
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        ranges: &[(usize, usize)],
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        Self::attention_forward(q, k, v, ranges, scale).0
+    }
+
     /// Device memory this backend's allocator holds on `device`, as `(bytes in use by live
     /// buffers, bytes reserved from the driver)`; `None` where there is no pool of its own (the
     /// CPU).

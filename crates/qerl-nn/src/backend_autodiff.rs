@@ -5,6 +5,8 @@
 //!   `dx = G·deq(W) + s·(G·B)·A` (the first term through the transposed 4-bit kernel),
 //!   `dA = s·(G·B)ᵀ·x`, `dB = s·Gᵀ·T`.
 //! * `noisy_rms_norm`: parents `x` and `w`; the noise is a constant.
+//! * `causal_attention`: parents `q`, `k`, `v`; the backward recomputes the attention weights
+//!   from the kept log-sum-exps ([`crate::attention`]).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -215,6 +217,16 @@ impl<B: QerlBackend, C: CheckpointStrategy> QerlBackend for Ad<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(y),
         };
         (y, rstd_out)
+    }
+
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        ranges: &[(usize, usize)],
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        crate::attention::autodiff_attention::<B, C>(q, k, v, ranges, scale)
     }
 
     fn noisy_rms_norm_backward(

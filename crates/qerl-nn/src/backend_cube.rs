@@ -5,6 +5,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use qerl_format::QuantizedWeight;
+use qerl_kernels::attention::{self as fused, AttentionShape};
 use qerl_kernels::{dequant, gemm, rms_norm, DeviceWeight};
 
 use crate::backend::{LoraPrims, QerlBackend, QuantWeight};
@@ -65,6 +66,25 @@ fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> Cu
         handle,
         dtype,
     )
+}
+
+/// The kernels' shape from `q [b, h, s, d]` and `k [b, kv, s, d]`.
+fn attention_shape<R: CubeRuntime>(
+    q: &CubeTensor<R>,
+    k: &CubeTensor<R>,
+    scale: f32,
+) -> AttentionShape {
+    let [batch, heads, seq, head_dim] = q.shape().dims::<4>();
+    let kv_heads = k.shape().dims::<4>()[1];
+    assert_eq!(q.dtype, k.dtype, "attention: q and k types");
+    AttentionShape {
+        batch,
+        heads,
+        kv_heads,
+        seq,
+        head_dim,
+        scale,
+    }
 }
 
 impl<R, F, I, BT> QerlBackend for CubeBackend<R, F, I, BT>
@@ -165,6 +185,67 @@ where
                 .expect("qlinear_dx shapes");
         });
         dx
+    }
+
+    fn attention_forward(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        ranges: &[(usize, usize)],
+        scale: f32,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+        let shape = attention_shape(&q, &k, scale);
+        let out = empty(&q, q.shape(), q.dtype);
+        let lse = empty(
+            &q,
+            Shape::new([shape.batch, shape.heads, shape.seq]),
+            DType::F32,
+        );
+        let bounds = fused::upload_bounds(&q.client, ranges, shape.seq);
+        with_float!(q.dtype, E => {
+            fused::forward::<R, E>(
+                &q.client, &shape, &q.handle, &k.handle, &v.handle, &bounds, &out.handle,
+                &lse.handle,
+            )
+            .expect("attention shapes");
+        });
+        (out, lse)
+    }
+
+    fn attention_backward(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        out: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        d_out: CubeTensor<R>,
+        ranges: &[(usize, usize)],
+        scale: f32,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+        let (out, lse) = (into_contiguous(out), into_contiguous(lse));
+        // The upstream gradient may come in another float type (an f32 loss over bf16
+        // activations): the kernels read one type.
+        let d_out = into_contiguous(d_out);
+        let d_out = if d_out.dtype == q.dtype {
+            d_out
+        } else {
+            burn_cubecl::kernel::cast(d_out, q.dtype)
+        };
+        let shape = attention_shape(&q, &k, scale);
+        let dq = empty(&q, q.shape(), q.dtype);
+        let dk = empty(&q, k.shape(), q.dtype);
+        let dv = empty(&q, k.shape(), q.dtype);
+        let bounds = fused::upload_bounds(&q.client, ranges, shape.seq);
+        with_float!(q.dtype, E => {
+            fused::backward::<R, E>(
+                &q.client, &shape, &q.handle, &k.handle, &v.handle, &bounds, &out.handle,
+                &lse.handle, &d_out.handle, &dq.handle, &dk.handle, &dv.handle,
+            )
+            .expect("attention shapes");
+        });
+        (dq, dk, dv)
     }
 
     fn noisy_rms_norm(

@@ -7,11 +7,15 @@
 //!   gradients; the weight never gets a gradient and is never expanded to a dense copy.
 //! * [`NoisyRmsNorm`]: RMSNorm whose weight may be trained, plus a per-channel noise vector the
 //!   caller sets for the next forwards (AQN).
+//! * [`causal_attention`]: causal self-attention with padding and grouped-query heads as one
+//!   fused op (flash-attention style on CubeCL backends): no `[seq, seq]` tensors kept for the
+//!   backward.
 //!
 //! Both run on any backend implementing [`QerlBackend`]: CubeCL backends (wgpu, CUDA) use the
 //! kernels of `qerl-kernels`; the NdArray CPU backend uses a host reference path; `Autodiff<B>`
 //! adds the custom backward passes.
 
+pub mod attention;
 mod backend;
 mod backend_autodiff;
 mod backend_cpu;
@@ -19,6 +23,7 @@ mod backend_cube;
 mod linear;
 mod norm;
 
+pub use attention::{causal_attention, key_ranges, KeyRanges};
 pub use backend::{LoraPrims, QerlBackend, QuantWeight};
 pub use linear::{Lora, LoraConfig, Nvfp4Linear};
 pub use norm::NoisyRmsNorm;
