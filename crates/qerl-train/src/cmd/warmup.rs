@@ -106,7 +106,13 @@ fn generate_once<B: QerlBackend>(args: &Args, steps: usize, device: &B::Device) 
             ..GenerationConfig::default()
         };
         let t = Instant::now();
-        qerl_train::engine_rollout::generate_rows(&model, &[prompt.clone()], &config, None, 0)?;
+        qerl_train::engine_rollout::generate_rows(
+            &model,
+            std::slice::from_ref(&prompt),
+            &config,
+            None,
+            0,
+        )?;
         eprintln!(
             "      {} in {:.1} s",
             if sampling.temperature == 0.0 {
