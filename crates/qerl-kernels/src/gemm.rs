@@ -529,7 +529,12 @@ pub fn matmul_segments<R: Runtime, F: Float>(
             check_buffer("matmul_segments", "bias", b, bytes_of::<F>(n))?;
         }
         if let Some(l) = &p.lora {
-            check_buffer("matmul_segments", "LoRA T", l.t, bytes_of::<f32>(m * l.rank))?;
+            check_buffer(
+                "matmul_segments",
+                "LoRA T",
+                l.t,
+                bytes_of::<f32>(m * l.rank),
+            )?;
             check_buffer("matmul_segments", "LoRA B", l.b, bytes_of::<F>(n * l.rank))?;
         }
     }

@@ -338,21 +338,87 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
     let c1 = c0 + cubes1 as usize;
     if cx < c0 {
         gemv_body::<F, V, W>(
-            x, codes0, scale_bytes0, scale_table0, bias0, lora_t0, lora_b0, y0, part, &lut,
-            &mut stab, cx, n0, k_dim, 1u32 << 30, rank, scale0, m_rows, block, byte_scales,
-            has_bias, has_lora, false, plane, unroll,
+            x,
+            codes0,
+            scale_bytes0,
+            scale_table0,
+            bias0,
+            lora_t0,
+            lora_b0,
+            y0,
+            part,
+            &lut,
+            &mut stab,
+            cx,
+            n0,
+            k_dim,
+            1u32 << 30,
+            rank,
+            scale0,
+            m_rows,
+            block,
+            byte_scales,
+            has_bias,
+            has_lora,
+            false,
+            plane,
+            unroll,
         );
     } else if segments > 1 && cx < c1 {
         gemv_body::<F, V, W>(
-            x, codes1, scale_bytes1, scale_table1, bias1, lora_t1, lora_b1, y1, part, &lut,
-            &mut stab, cx - c0, n1, k_dim, 1u32 << 30, rank, scale1, m_rows, block,
-            byte_scales, has_bias, has_lora, false, plane, unroll,
+            x,
+            codes1,
+            scale_bytes1,
+            scale_table1,
+            bias1,
+            lora_t1,
+            lora_b1,
+            y1,
+            part,
+            &lut,
+            &mut stab,
+            cx - c0,
+            n1,
+            k_dim,
+            1u32 << 30,
+            rank,
+            scale1,
+            m_rows,
+            block,
+            byte_scales,
+            has_bias,
+            has_lora,
+            false,
+            plane,
+            unroll,
         );
     } else if segments > 2 {
         gemv_body::<F, V, W>(
-            x, codes2, scale_bytes2, scale_table2, bias2, lora_t2, lora_b2, y2, part, &lut,
-            &mut stab, cx - c1, n2, k_dim, 1u32 << 30, rank, scale2, m_rows, block,
-            byte_scales, has_bias, has_lora, false, plane, unroll,
+            x,
+            codes2,
+            scale_bytes2,
+            scale_table2,
+            bias2,
+            lora_t2,
+            lora_b2,
+            y2,
+            part,
+            &lut,
+            &mut stab,
+            cx - c1,
+            n2,
+            k_dim,
+            1u32 << 30,
+            rank,
+            scale2,
+            m_rows,
+            block,
+            byte_scales,
+            has_bias,
+            has_lora,
+            false,
+            plane,
+            unroll,
         );
     }
 }
@@ -487,7 +553,13 @@ pub(crate) fn segments_apply<R: Runtime>(
                 && s.weight.format == format
                 && s.bias.is_some() == first.bias.is_some()
                 && s.lora.map(|l| l.2) == rank
-                && splitk::plan(s.weight.n.div_ceil(ROWS), k / (8 * WORDS), target, MIN_SPLIT_CHUNKS).0 == 1
+                && splitk::plan(
+                    s.weight.n.div_ceil(ROWS),
+                    k / (8 * WORDS),
+                    target,
+                    MIN_SPLIT_CHUNKS,
+                )
+                .0 == 1
         })
 }
 
