@@ -69,6 +69,7 @@ fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64, seed: u64) {
 }
 
 /// Host reference of one problem, in f64.
+#[derive(Clone)]
 struct Problem {
     shape: AttentionShape,
     ranges: Vec<(usize, usize)>,
@@ -317,30 +318,14 @@ fn reference_gradients_match_finite_differences() {
     };
     let h = 1e-6;
     let check = |grad: &[f64], pick: &dyn Fn(&mut Problem) -> &mut Vec<f64>, name: &str| {
-        for i in 0..grad.len() {
-            let mut plus = Problem {
-                ranges: p.ranges.clone(),
-                q: p.q.clone(),
-                k: p.k.clone(),
-                v: p.v.clone(),
-                d_out: p.d_out.clone(),
-                shape: p.shape,
-            };
-            let mut minus = Problem {
-                ranges: p.ranges.clone(),
-                q: p.q.clone(),
-                k: p.k.clone(),
-                v: p.v.clone(),
-                d_out: p.d_out.clone(),
-                shape: p.shape,
-            };
+        for (i, g) in grad.iter().enumerate() {
+            let (mut plus, mut minus) = (p.clone(), p.clone());
             pick(&mut plus)[i] += h;
             pick(&mut minus)[i] -= h;
             let fd = (loss(&plus) - loss(&minus)) / (2.0 * h);
             assert!(
-                (fd - grad[i]).abs() < 1e-6,
-                "{name}[{i}]: fd {fd} vs {}, seed {seed}",
-                grad[i]
+                (fd - g).abs() < 1e-6,
+                "{name}[{i}]: fd {fd} vs {g}, seed {seed}"
             );
         }
     };

@@ -11,6 +11,9 @@
 //!   [`CausalLm::hidden_states_checkpointed`] + [`LayerCheckpoints`]: the same pass with
 //!   activation checkpointing per decoder layer;
 //!   [`CausalLm::prefill`] / [`CausalLm::decode`]: the KV-cached incremental path.
+//! * [`CausalLm::token_log_probs`]: log-probabilities (and entropies) of chosen tokens from the
+//!   final hidden states ([`CausalLm::hidden_states`]), the lm_head applied in chunks of rows
+//!   so that no `[tokens, vocab]` logits exist in the forward or the backward.
 //! * [`generate`]: batched generation with on-device sampling ([`sampling`]), per-sequence EOS
 //!   and stop strings, seeds, returned token ids and log-probs; [`score`]: per-position top-k.
 //! * [`Tokenizer`] and the ChatML [`ChatTemplate`].
@@ -29,6 +32,7 @@ pub mod export;
 pub mod generate;
 mod load;
 mod load_host;
+mod logprobs;
 mod model;
 pub mod random;
 pub mod rope;
@@ -48,6 +52,6 @@ pub use generate::{
 };
 pub use load::{load, load_with_adapter, load_with_stats, LoadOptions, LoadStats, LoraSpec};
 pub use model::{CausalLm, DecoderLayer, KvCache, Mlp};
-pub use qerl_nn::{LoraConfig, Precision, QerlBackend};
+pub use qerl_nn::{Entropy, LogProbOptions, LoraConfig, Precision, QerlBackend};
 pub use sampling::SamplingParams;
 pub use tokenizer::{ChatTemplate, Message, Tokenizer};

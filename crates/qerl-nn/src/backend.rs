@@ -1,7 +1,7 @@
 //! The backend extension the modules run on.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use qerl_format::QuantizedWeight;
 
 use crate::NnError;
@@ -111,4 +111,18 @@ pub trait QerlBackend: Backend {
         z: Option<FloatTensor<Self>>,
         rstd: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Log-probability of `targets [M]` and entropy of the next-token distribution for final
+    /// hidden states `hidden [M, K]` through the output projection `weight [V, K]`, computed
+    /// `opts.rows(V)` rows at a time: `[M, 2]` f32 (log p, entropy). See
+    /// [`crate::lm_head_log_probs`]; the default runs the chunked forward with burn ops,
+    /// `Autodiff<B>` adds the backward that recomputes each chunk's logits.
+    fn lm_head_log_probs(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        opts: crate::LogProbOptions,
+    ) -> FloatTensor<Self> {
+        crate::lm_head::forward_prim::<Self>(hidden, weight, targets, opts)
+    }
 }

@@ -7,6 +7,8 @@
 //! * `noisy_rms_norm`: parents `x` and `w`; the noise is a constant.
 //! * `causal_attention`: parents `q`, `k`, `v`; the backward recomputes the attention weights
 //!   from the kept log-sum-exps ([`crate::attention`]).
+//! * `lm_head_log_probs`: parents `hidden` and the output projection; chunked, the backward
+//!   recomputes each chunk's logits ([`crate::lm_head`]).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -14,7 +16,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 use qerl_format::QuantizedWeight;
 
@@ -217,6 +219,15 @@ impl<B: QerlBackend, C: CheckpointStrategy> QerlBackend for Ad<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(y),
         };
         (y, rstd_out)
+    }
+
+    fn lm_head_log_probs(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        opts: crate::LogProbOptions,
+    ) -> FloatTensor<Self> {
+        crate::lm_head::autodiff_log_probs::<B, C>(hidden, weight, targets, opts)
     }
 
     fn causal_attention(

@@ -7,6 +7,9 @@
 //!   gradients; the weight never gets a gradient and is never expanded to a dense copy.
 //! * [`NoisyRmsNorm`]: RMSNorm whose weight may be trained, plus a per-channel noise vector the
 //!   caller sets for the next forwards (AQN).
+//! * [`lm_head_log_probs`]: log-probabilities and entropies of chosen tokens through the
+//!   lm_head in chunks of rows, the backward recomputing each chunk: no `[tokens, vocab]`
+//!   logits in either pass.
 //! * [`causal_attention`]: causal self-attention with padding and grouped-query heads as one
 //!   fused op (flash-attention style on CubeCL backends): no `[seq, seq]` tensors kept for the
 //!   backward.
@@ -21,11 +24,13 @@ mod backend_autodiff;
 mod backend_cpu;
 mod backend_cube;
 mod linear;
+pub mod lm_head;
 mod norm;
 
 pub use attention::{causal_attention, key_ranges, KeyRanges};
 pub use backend::{LoraPrims, QerlBackend, QuantWeight};
 pub use linear::{Lora, LoraConfig, Nvfp4Linear};
+pub use lm_head::{lm_head_log_probs, Entropy, LogProbOptions};
 pub use norm::NoisyRmsNorm;
 
 use thiserror::Error;

@@ -156,6 +156,10 @@ pub struct OptimConfig {
     pub grad_clip: f32,
     /// Micro-batches per optimizer step.
     pub grad_accum: usize,
+    /// Completion tokens per chunk of the update's lm_head + log-softmax (the `[tokens, vocab]`
+    /// logits are never made whole); 0 chooses it from a 2 GiB budget (320 tokens at Qwen2.5's
+    /// 152k vocabulary).
+    pub logprob_chunk_tokens: usize,
     /// Activation checkpointing per decoder layer in the update: keep each layer's input and
     /// recompute the layer in the backward (one more forward; the activations of one layer
     /// alive at a time instead of all of them).
@@ -175,6 +179,7 @@ impl Default for OptimConfig {
             epsilon: 1e-8,
             grad_clip: 0.2,
             grad_accum: 1,
+            logprob_chunk_tokens: 0,
             activation_checkpointing: true,
         }
     }

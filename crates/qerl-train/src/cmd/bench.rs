@@ -23,6 +23,12 @@ pub enum What {
     Rollout(RolloutArgs),
     /// Checkpoint load throughput (read, convert, upload) on a random Qwen2.5-shaped model.
     Load(super::bench_load::LoadArgs),
+    /// The fused attention against the decomposed one: a correctness check, then forward and
+    /// backward time and held memory at a training shape (default Qwen2.5-7B, 16 x 320).
+    Attention(super::bench_attention::AttentionArgs),
+    /// GRPO steps on a random Qwen2.5-shaped model: rollout / reference / update time, peak
+    /// memory, update TFLOP/s, NVFP4 against BF16 LoRA, and the longest context that fits.
+    Train(super::bench_train::TrainArgs),
 }
 
 #[derive(ClapArgs, Debug)]
@@ -66,6 +72,8 @@ pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Rollout(a) => run_rollout(a),
         What::Load(a) => super::bench_load::run(a),
+        What::Train(a) => super::bench_train::run(a),
+        What::Attention(a) => super::bench_attention::run(a),
     }
 }
 

@@ -1,7 +1,10 @@
 //! One module per `qerl` subcommand: each has `Args` (clap) and `run(Args) -> anyhow::Result<()>`.
 
 pub mod bench;
+pub mod bench_attention;
 pub mod bench_load;
+pub mod bench_train;
+mod bench_train_report;
 pub mod convert;
 pub mod demo;
 pub mod eval;

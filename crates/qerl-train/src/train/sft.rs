@@ -16,8 +16,7 @@ use anyhow::{Context, Result};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use qerl_model::export::{write_atomic, write_safetensors, ExportDtype, NamedTensor};
-use qerl_model::{CausalLm, ChatTemplate, ModelConfig, QerlBackend, Tokenizer};
-use qerl_rl::logprob::token_log_probs;
+use qerl_model::{CausalLm, ChatTemplate, LogProbOptions, ModelConfig, QerlBackend, Tokenizer};
 use qerl_rl::optim_schedule::{clip_grad_norm, LrDecay, LrSchedule};
 use qerl_rl::prompt::PromptTemplate;
 use rand::seq::SliceRandom;
@@ -240,24 +239,18 @@ pub struct SftLog {
     pub total_steps: usize,
 }
 
-/// The masked mean cross-entropy of the completion tokens of `batch`.
+/// The masked mean cross-entropy of the completion tokens of `batch` (the lm_head, trainable
+/// here through the tied embeddings, applied to the completion tokens only, in chunks).
 pub fn batch_loss<B: QerlBackend>(
     model: &CausalLm<B>,
     batch: &TrainBatch,
 ) -> Result<burn::tensor::Tensor<B, 1>> {
-    let logits = model.forward(&batch.tokens)?;
-    let [n, s, v] = logits.dims();
-    let logits = logits.slice([0..n, 0..s - 1, 0..v]);
-    let device = model.device();
-    let targets = burn::tensor::Tensor::<B, 2, burn::tensor::Int>::from_data(
-        burn::tensor::TensorData::new(batch.targets.clone(), [n, s - 1]),
-        &device,
-    );
+    let (n, t) = (batch.rows(), batch.tokens.len - 1);
+    let (logp, _) = crate::update::log_probs(model, batch, &LogProbOptions::default(), true)?;
     let mask = burn::tensor::Tensor::<B, 2>::from_data(
-        burn::tensor::TensorData::new(batch.mask.clone(), [n, s - 1]),
-        &device,
+        burn::tensor::TensorData::new(batch.mask.clone(), [n, t]),
+        (&model.device(), burn::tensor::DType::F32),
     );
-    let logp = token_log_probs(logits, targets, 1.0);
     Ok((logp * mask)
         .sum()
         .neg()

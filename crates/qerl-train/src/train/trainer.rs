@@ -438,6 +438,8 @@ impl<B: TrainBackend> Trainer<B> {
                 temperature: c.rollout.temperature,
                 tis_cap: c.loss.tis_cap,
                 lr,
+                logprob_chunk_tokens: c.optim.logprob_chunk_tokens,
+                activation_checkpointing: c.optim.activation_checkpointing,
                 train_noise,
                 comm: self.comm.as_ref(),
             };
