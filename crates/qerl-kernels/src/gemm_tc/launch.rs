@@ -49,10 +49,29 @@ pub(crate) const SMALL: Tiles = Tiles {
     frags_m: 2,
     frags_n: 2,
 };
+/// 16x64, 2 planes of 16x32: decode batches of at most 16 rows, where a taller tile would run
+/// its `cmma`s (and activation loads) mostly on padding rows; split-K supplies the cubes.
+pub(crate) const TINY: Tiles = Tiles {
+    warps_m: 1,
+    warps_n: 2,
+    frags_m: 1,
+    frags_n: 2,
+};
 
-/// The largest configuration that still gives every multiprocessor about two cubes.
+/// The configuration for `m` rows and `n` output columns: the shortest tile that covers up to
+/// 64 rows (a decode step's batch; split-K fills the machine), otherwise the largest that still
+/// gives every multiprocessor about two cubes. `QERL_TC_TILES` (`tiny`, `small`, `mid`, `big`
+/// or `cubes`, the choice by cube count alone) overrides it for experiments.
 pub(crate) fn pick_tiles(m: usize, n: usize) -> Tiles {
     let cubes = |t: Tiles| m.div_ceil(t.bm()) * n.div_ceil(t.bn());
+    match tiles_override() {
+        Some(TilesOverride::Fixed(t)) => return t,
+        Some(TilesOverride::ByCubes) => {}
+        None if m <= 16 => return TINY,
+        None if m <= 32 => return SMALL,
+        None if m <= 64 => return MID,
+        None => {}
+    }
     if cubes(BIG) >= 264 {
         BIG
     } else if m > 32 && cubes(MID) >= 132 {
@@ -60,6 +79,28 @@ pub(crate) fn pick_tiles(m: usize, n: usize) -> Tiles {
     } else {
         SMALL
     }
+}
+
+#[derive(Clone, Copy)]
+enum TilesOverride {
+    Fixed(Tiles),
+    ByCubes,
+}
+
+/// `QERL_TC_TILES`, read once.
+fn tiles_override() -> Option<TilesOverride> {
+    static CHOICE: std::sync::OnceLock<Option<TilesOverride>> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        let v = std::env::var("QERL_TC_TILES").ok()?;
+        match v.as_str() {
+            "tiny" => Some(TilesOverride::Fixed(TINY)),
+            "small" => Some(TilesOverride::Fixed(SMALL)),
+            "mid" => Some(TilesOverride::Fixed(MID)),
+            "big" => Some(TilesOverride::Fixed(BIG)),
+            "cubes" => Some(TilesOverride::ByCubes),
+            _ => None,
+        }
+    })
 }
 
 /// Whether the tensor-core path can run a product with reduction depth `k` in `F` here.
