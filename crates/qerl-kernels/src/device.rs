@@ -5,6 +5,8 @@ use cubecl::server::Handle;
 use qerl_format::{e2m1::e2m1_table, fp8, nf4, QuantFormat, QuantizedWeight};
 use thiserror::Error;
 
+use crate::upload;
+
 /// A bad launch: shapes that do not agree, or a weight the kernel cannot read.
 #[derive(Debug, Error, PartialEq)]
 pub enum KernelError {
@@ -17,6 +19,9 @@ pub enum KernelError {
     /// allocation that did not happen, so its output was never written).
     #[error("{kernel}: earlier work on the device failed: {what}")]
     Device { kernel: &'static str, what: String },
+    /// A host-to-device copy failed ([`crate::upload`]).
+    #[error(transparent)]
+    Upload(#[from] crate::upload::UploadError),
 }
 
 /// Fails unless `h` holds at least `bytes` bytes.
@@ -79,32 +84,33 @@ impl DeviceWeight {
         // NVFP4/MXFP4 bytes already hold two codes each, low nibble first: read as
         // little-endian u32 words they are the device layout, uploaded without a host copy
         // (k is a multiple of 16, so the byte count is a multiple of 4). NF4 is re-ordered.
+        // Codes and scales are the bulk of a checkpoint: staged inside an upload session.
         let codes = match weight {
-            QuantizedWeight::Nvfp4(w) => client.create_from_slice(&w.packed),
-            QuantizedWeight::Mxfp4(w) => client.create_from_slice(&w.packed),
+            QuantizedWeight::Nvfp4(w) => upload::create_bytes(client, "codes", &w.packed)?,
+            QuantizedWeight::Mxfp4(w) => upload::create_bytes(client, "codes", &w.packed)?,
             QuantizedWeight::Nf4(_) => {
-                client.create_from_slice(u32::as_bytes(&pack_words(&weight.codes())))
+                upload::create_bytes(client, "codes", u32::as_bytes(&pack_words(&weight.codes())))?
             }
         };
         let byte_scales = |scales: &[u8]| {
             if scales.len().is_multiple_of(4) {
-                client.create_from_slice(scales)
+                upload::create_bytes(client, "scales", scales)
             } else {
-                client.create_from_slice(u32::as_bytes(&pack_bytes(scales)))
+                upload::create_bytes(client, "scales", u32::as_bytes(&pack_bytes(scales)))
             }
         };
         let (scale_bytes, scale_table, code_table): (Handle, Vec<f32>, Vec<f32>) = match weight {
             QuantizedWeight::Nvfp4(w) => {
                 let table = fp8::e4m3_table().map(|s| s / w.global_scale);
                 (
-                    byte_scales(&w.scales),
+                    byte_scales(&w.scales)?,
                     table.to_vec(),
                     e2m1_table().to_vec(),
                 )
             }
             QuantizedWeight::Mxfp4(w) => {
                 let table: Vec<f32> = (0..=255u8).map(fp8::e8m0_to_f32).collect();
-                (byte_scales(&w.scales), table, e2m1_table().to_vec())
+                (byte_scales(&w.scales)?, table, e2m1_table().to_vec())
             }
             QuantizedWeight::Nf4(w) => (
                 client.create_from_slice(u32::as_bytes(&[0u32])),

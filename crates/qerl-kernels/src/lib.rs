@@ -30,6 +30,9 @@ mod gemv;
 pub mod rms_norm;
 mod splitk;
 mod tune;
+pub mod upload;
+#[cfg(feature = "cuda")]
+mod upload_cuda;
 #[cfg(feature = "wgpu")]
 mod wgpu_probe;
 

@@ -75,6 +75,10 @@ pub enum ModelError {
     /// of the 4-bit block size), or does not fit the checkpoint.
     #[error("`{}`: {why}", path.display())]
     Precision { path: PathBuf, why: String },
+    /// Copying the weights to the device failed, or `QERL_UPLOAD` is not a path (the message
+    /// names the tensor or the variable).
+    #[error(transparent)]
+    Upload(#[from] qerl_nn::upload::UploadError),
     /// The tokenizer file cannot be loaded or used.
     #[error("tokenizer `{}`: {why}", path.display())]
     Tokenizer { path: PathBuf, why: String },

@@ -50,7 +50,9 @@ pub use generate::{
     check_context, check_new_tokens, generate, generate_from_row, score, Completion, Decode,
     FinishReason, GenerationConfig, PositionScore,
 };
-pub use load::{load, load_with_adapter, load_with_stats, LoadOptions, LoadStats, LoraSpec};
+pub use load::{
+    load, load_with_adapter, load_with_stats, load_with_upload, LoadOptions, LoadStats, LoraSpec,
+};
 pub use model::{CausalLm, DecoderLayer, KvCache, Mlp};
 pub use qerl_nn::{Entropy, LogProbOptions, LoraConfig, Precision, QerlBackend};
 pub use sampling::SamplingParams;

@@ -11,10 +11,13 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use qerl_format::checkpoint::{par, HfCheckpoint, QuantizedCheckpoint, CONFIG_FILE};
 use qerl_format::QuantFormat;
-use qerl_nn::{LoraConfig, NoisyRmsNorm, Nvfp4Linear, Precision, QerlBackend};
+use qerl_nn::upload::{UploadConfig, UploadSession};
+use qerl_nn::{
+    KernelError, LoraConfig, NnError, NoisyRmsNorm, Nvfp4Linear, Precision, QerlBackend,
+};
 
 use crate::adapter::Adapter;
 use crate::attention::Attention;
@@ -64,6 +67,8 @@ pub struct LoadStats {
     pub read: Duration,
     pub convert: Duration,
     pub upload: Duration,
+    /// The path the bulk of the weights took: `staged`, `cubecl` or `host` (the CPU backend).
+    pub upload_path: &'static str,
 }
 
 impl std::fmt::Display for LoadStats {
@@ -77,11 +82,12 @@ impl std::fmt::Display for LoadStats {
         };
         write!(
             f,
-            "{size} in {secs:.2} s ({:.2} GB/s): read {:.2} s, convert {:.2} s, upload {:.2} s",
+            "{size} in {secs:.2} s ({:.2} GB/s): read {:.2} s, convert {:.2} s, upload {:.2} s ({})",
             gb / secs.max(1e-9),
             self.read.as_secs_f64(),
             self.convert.as_secs_f64(),
-            self.upload.as_secs_f64()
+            self.upload.as_secs_f64(),
+            if self.upload_path.is_empty() { "-" } else { self.upload_path }
         )
     }
 }
@@ -170,6 +176,18 @@ pub fn load_with_stats<B: QerlBackend>(
     adapter: Option<&Adapter>,
     device: &B::Device,
 ) -> Result<(CausalLm<B>, LoadStats)> {
+    load_with_upload(dir, options, adapter, None, device)
+}
+
+/// [`load_with_stats`] with the upload path and buffers given; `None`: from `QERL_UPLOAD`
+/// (staged on CUDA unless it says `cubecl`, see `qerl_nn::upload`).
+pub fn load_with_upload<B: QerlBackend>(
+    dir: &Path,
+    options: &LoadOptions,
+    adapter: Option<&Adapter>,
+    upload: Option<UploadConfig>,
+    device: &B::Device,
+) -> Result<(CausalLm<B>, LoadStats)> {
     let start = Instant::now();
     let config = ModelConfig::from_dir(dir)?;
     let raw_config = crate::error::read_json(&dir.join(CONFIG_FILE))?;
@@ -221,7 +239,13 @@ pub fn load_with_stats<B: QerlBackend>(
         used: BTreeSet::new(),
     };
     let (v, h) = (config.vocab_size, config.hidden_size);
+    let upload_config = match upload {
+        Some(c) => c,
+        None => UploadConfig::from_env()?,
+    };
     let mut upload = Duration::ZERO;
+    // Uploads of this thread (`build`) may be staged until `finish` waits for them.
+    let session = UploadSession::begin(upload_config);
     let (built, convert) = std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Stage>>(1);
         let planner = &mut planner;
@@ -317,6 +341,7 @@ pub fn load_with_stats<B: QerlBackend>(
         a.apply(&mut model)?;
     }
     let sync_start = Instant::now();
+    let upload_stats = session.finish()?;
     B::sync(device).map_err(|e| {
         ModelError::Nn(format!(
             "the device failed while the weights were uploaded: {e:?}"
@@ -329,6 +354,7 @@ pub fn load_with_stats<B: QerlBackend>(
         read,
         convert,
         upload,
+        upload_path: upload_stats.path(),
     };
     Ok((model, stats))
 }
@@ -364,17 +390,24 @@ fn build<B: QerlBackend>(
         let w = Tensor::<B, 1>::from_data(TensorData::new(w, [h]), device);
         NoisyRmsNorm::new(w, config.rms_norm_eps, options.trainable_norms)
     };
-    let float = |host: Host| -> Tensor<B, 2> {
+    let float = |name: &str, host: Host| -> Result<Tensor<B, 2>> {
         let Host::Float(data) = host else {
             unreachable!("a dense tensor")
         };
-        Tensor::from_data(data, device)
+        let t = B::float_upload(name, data, device).map_err(|e| match e {
+            NnError::Kernel {
+                source: KernelError::Upload(e),
+                ..
+            } => ModelError::Upload(e),
+            e => ModelError::Nn(e.to_string()),
+        })?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(t)))
     };
     let Stage::Embed(embed) = next()? else {
         unreachable!("the embeddings come first")
     };
     let t = Instant::now();
-    let embed = float(embed);
+    let embed = float("model.embed_tokens.weight", embed)?;
     *upload += t.elapsed();
     let mut layers = Vec::with_capacity(config.num_hidden_layers);
     for i in 0..config.num_hidden_layers {
@@ -399,7 +432,7 @@ fn build<B: QerlBackend>(
                 }
                 dense => Nvfp4Linear::from_dense_tensor(
                     &module,
-                    float(dense),
+                    float(&format!("{module}.weight"), dense)?,
                     bias.as_deref(),
                     lora,
                     device,
@@ -448,7 +481,7 @@ fn build<B: QerlBackend>(
         unreachable!("then the lm_head")
     };
     let t = Instant::now();
-    let lm_head = lm_head.map(float);
+    let lm_head = lm_head.map(|h| float("lm_head.weight", h)).transpose()?;
     *upload += t.elapsed();
     Ok((embed, layers, final_norm, lm_head))
 }

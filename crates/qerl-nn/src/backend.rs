@@ -2,6 +2,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::TensorData;
 use qerl_format::QuantizedWeight;
 
 use crate::NnError;
@@ -22,6 +23,18 @@ pub trait QuantWeight: Clone + std::fmt::Debug + Send + Sync + 'static {
 pub trait QerlBackend: Backend {
     /// The weight as this backend stores it (device buffers, or the host form on the CPU).
     type QWeight: QuantWeight;
+
+    /// Puts a dense float tensor of the loader on `device` (the bulk of a BF16 checkpoint):
+    /// burn's `from_data` by default; the CubeCL backends go through `qerl_kernels::upload`
+    /// (staged on CUDA inside an upload session).
+    fn float_upload(
+        name: &str,
+        data: TensorData,
+        device: &Self::Device,
+    ) -> Result<FloatTensor<Self>, NnError> {
+        let _ = name;
+        Ok(Self::float_from_data(data, device))
+    }
 
     /// Puts a host-quantized weight on `device`.
     fn qweight_upload(

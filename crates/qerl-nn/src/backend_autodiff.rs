@@ -17,7 +17,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use qerl_format::QuantizedWeight;
 
 use crate::backend::{LoraPrims, QerlBackend};
@@ -133,6 +133,16 @@ impl<B: QerlBackend, C: CheckpointStrategy> QerlBackend for Ad<B, C> {
         device: &Self::Device,
     ) -> Result<B::QWeight, NnError> {
         B::qweight_upload(name, weight, device)
+    }
+
+    fn float_upload(
+        name: &str,
+        data: TensorData,
+        device: &Self::Device,
+    ) -> Result<FloatTensor<Self>, NnError> {
+        Ok(<Self as AutodiffBackend>::from_inner(B::float_upload(
+            name, data, device,
+        )?))
     }
 
     fn qweight_dequantize(weight: &B::QWeight, device: &Self::Device) -> FloatTensor<Self> {

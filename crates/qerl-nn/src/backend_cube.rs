@@ -1,12 +1,14 @@
 //! [`QerlBackend`] for CubeCL backends (wgpu, CUDA): the `qerl-kernels` kernels on burn tensors.
 
-use burn::tensor::{DType, Shape, TensorMetadata};
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::zspace::metadata::Metadata;
 use qerl_format::QuantizedWeight;
 use qerl_kernels::attention::{self as fused, AttentionShape};
-use qerl_kernels::{dequant, gemm, rms_norm, DeviceWeight};
+use qerl_kernels::{dequant, gemm, rms_norm, upload, DeviceWeight};
 
 use crate::backend::{LoraPrims, QerlBackend, QuantWeight};
 use crate::NnError;
@@ -99,6 +101,34 @@ where
     fn memory_usage(device: &Self::Device) -> Option<(u64, u64)> {
         let m = R::client(device).memory_usage().ok()?;
         Some((m.bytes_in_use, m.bytes_reserved))
+    }
+
+    fn float_upload(
+        name: &str,
+        data: TensorData,
+        device: &Self::Device,
+    ) -> Result<CubeTensor<R>, NnError> {
+        if !matches!(
+            data.dtype,
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64
+        ) {
+            return Ok(Self::float_from_data(data, device));
+        }
+        // As burn's `from_data` (cubecl's layout, pitched rows included), staged on CUDA.
+        let client = R::client(device);
+        let (shape, dtype) = (data.shape.clone(), data.dtype);
+        let layout = upload::create_tensor(&client, name, data.bytes, shape.clone(), dtype.size())
+            .map_err(|e| NnError::Kernel {
+                name: name.to_string(),
+                source: e.into(),
+            })?;
+        Ok(CubeTensor::new(
+            client,
+            layout.memory,
+            Metadata::new(shape, layout.strides),
+            device.clone(),
+            dtype,
+        ))
     }
 
     fn qweight_upload(

@@ -32,6 +32,8 @@ pub use backend::{LoraPrims, QerlBackend, QuantWeight};
 pub use linear::{Lora, LoraConfig, Nvfp4Linear};
 pub use lm_head::{lm_head_log_probs, Entropy, LogProbOptions};
 pub use norm::NoisyRmsNorm;
+/// Host-to-device copies of weights (staged on CUDA inside an upload session).
+pub use qerl_kernels::{upload, KernelError};
 
 use thiserror::Error;
 
