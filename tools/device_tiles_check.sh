@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call for the tensor-core product's tile choice by row count (16x64 tiles up to 16
-# rows, 32x128 up to 32, 64x128 up to 64; `QERL_TC_TILES=cubes` is the old choice by cube count)
+# One device call for the tensor-core product's tile choice by row count (32x128 tiles up to 32
+# rows, 64x128 up to 64; `QERL_TC_TILES=cubes` is the old choice by cube count)
 # and the fused attention: first the CUDA kernel suites against their host references, then the
-# rollout benchmark at batch 16 and 64 under both tile choices, then `qerl bench attention`.
+# rollout benchmark at batch 16 and 64 under each tile choice and stage depth (QERL_TC_BK), then
+# (LOAD=1) the staged upload against cubecl's, (ATTENTION=1) `qerl bench attention`.
 # Here: the release `qerl` (--features cuda) in .device/qerl.tar.gz, the test binaries
 # (`cargo test --release -p qerl-kernels --features cuda --test kernels --test attention
 # --no-run`, copied and stripped) in .device/kernels and .device/attention.
@@ -14,24 +15,39 @@ source tools/device_cache.sh
 source tools/device_cuda_libs.sh > "$OUT/cuda-libs.txt"
 tar -xzf .device/qerl.tar.gz -C /tmp
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
-for t in kernels attention; do
+for t in ${TESTS-kernels attention}; do
   [ -x .device/$t ] || continue
-  start=$SECONDS
-  echo "== $t (CUDA, against the host reference)"
-  timeout -k 10 ${TEST_T:-200} .device/$t --ignored cuda --test-threads=1 2>&1 |
-    grep -E "^test |test result|panicked|assert|mismatch" | tail -25
-  echo "$t: $((SECONDS - start)) s"
+  for bk in ${TEST_BKS:-32 128}; do
+    [ $t = attention ] && [ $bk != 32 ] && continue
+    start=$SECONDS
+    echo "== $t (CUDA, against the host reference), QERL_TC_BK=$bk"
+    QERL_TC_BK=$bk timeout -k 10 ${TEST_T:-200} .device/$t --ignored ${TEST_FILTER:-cuda} --test-threads=1 2>&1 |
+      grep -E "^test |test result|panicked|assert|mismatch" | head -40
+    echo "$t BK $bk: $((SECONDS - start)) s"
+  done
 done
-for tiles in auto cubes; do
+# Rollout variants: "tiles:depth" (tiles auto = by row count, cubes = the old choice).
+first=1
+for v in ${VARIANTS:-auto:32 auto:64 auto:128 cubes:32}; do
+  tiles=${v%%:*} bk=${v##*:}
   start=$SECONDS
-  echo "== rollout, tiles $tiles"
-  if [ $tiles = auto ]; then unset QERL_TC_TILES; check=(); else export QERL_TC_TILES=$tiles; check=(--no-check); fi
-  timeout -k 10 ${ROLLOUT_T:-170} /tmp/qerl bench rollout --shape qwen2.5-7b --precision nvfp4,bf16 --batch 16,64 \
-    --prompt 256 --new-tokens 128 "${check[@]}" --json "$OUT/rollout-$tiles.jsonl" 2>&1 | grep -vE "^qwen" | tail -8
-  echo "rollout $tiles: $((SECONDS - start)) s"
+  echo "== rollout, tiles $tiles, stage depth $bk"
+  check=(--no-check); [ $first = 1 ] && [ -n "${CHECK:-}" ] && check=(); first=0
+  precisions=nvfp4; [ "$v" = auto:32 ] && [ -n "${BF16:-}" ] && precisions=nvfp4,bf16
+  QERL_TC_TILES=$tiles QERL_TC_BK=$bk timeout -k 10 ${ROLLOUT_T:-150} /tmp/qerl bench rollout --shape qwen2.5-7b \
+    --precision $precisions --batch ${BATCHES:-16,64} --prompt 256 --new-tokens ${NEW_TOKENS:-128} "${check[@]}" \
+    --json "$OUT/rollout-$tiles-$bk.jsonl" 2>&1 | grep -vE "^qwen" | tail -6
+  echo "rollout $tiles $bk: $((SECONDS - start)) s"
 done
-unset QERL_TC_TILES
-if [ -z "${SKIP_ATTENTION:-}" ]; then
+if [ -n "${LOAD:-}" ]; then
+  start=$SECONDS
+  echo "== load: staged vs cubecl upload"
+  timeout -k 10 ${LOAD_T:-150} /tmp/qerl bench load --check --dir /tmp/qcheck --device cuda 2>&1 | tail -4
+  timeout -k 10 ${LOAD_T:-200} /tmp/qerl bench load --shape qwen2.5-7b --dir /tmp/q7 --device cuda --repeat ${LOAD_REPEAT:-2} \
+    --upload cubecl,staged 2>&1 | tail -10
+  echo "load: $((SECONDS - start)) s"
+fi
+if [ -n "${ATTENTION:-}" ]; then
   start=$SECONDS
   echo "== qerl bench attention"
   timeout -k 10 ${ATT_T:-120} /tmp/qerl bench attention --device cuda --dtype bf16 2>&1 | tail -12

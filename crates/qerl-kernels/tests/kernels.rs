@@ -373,11 +373,14 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
         return;
     }
     let (mut rng, seed) = fresh_rng();
-    // (format, M, N, K): forward over 16x64 tiles (M <= 16), 32x128, 64x128, 128x128 (M > 64,
-    // >= 264 cubes).
+    // (format, M, N, K): forward over 32x128 tiles (M <= 32), 64x128 (M <= 64, or >= 132
+    // cubes), 128x128 (M > 64, >= 264 cubes).
     let cases = [
         (QuantFormat::Nvfp4, 9, 176, 96),
         (QuantFormat::Nf4, 16, 96, 160),
+        (QuantFormat::Nvfp4, 12, 192, 512),
+        (QuantFormat::Nvfp4, 64, 320, 384),
+        (QuantFormat::Mxfp4, 150, 5600, 256),
         (QuantFormat::Nvfp4, 17, 176, 96),
         (QuantFormat::Mxfp4, 40, 208, 160),
         (QuantFormat::Nf4, 33, 96, 224),
@@ -660,7 +663,7 @@ pub fn matmul_split_k<R: Runtime, F: Float + CubeElement>(device: &R::Device, to
     let cases = [
         (QuantFormat::Nvfp4, 40, 160, 4128, Some(3)),
         (QuantFormat::Mxfp4, 17, 96, 4128, Some(7)),
-        // 16x64 tiles (M <= 16), forced and by the plan.
+        // Few rows (M <= 16), forced and by the plan.
         (QuantFormat::Nvfp4, 5, 96, 4128, Some(3)),
         (QuantFormat::Nvfp4, 12, 224, 4128, None),
         (QuantFormat::Nf4, 70, 224, 4160, Some(7)),

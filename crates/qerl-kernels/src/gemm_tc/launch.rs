@@ -49,25 +49,18 @@ pub(crate) const SMALL: Tiles = Tiles {
     frags_m: 2,
     frags_n: 2,
 };
-/// 16x64, 2 planes of 16x32: decode batches of at most 16 rows, where a taller tile would run
-/// its `cmma`s (and activation loads) mostly on padding rows; split-K supplies the cubes.
-pub(crate) const TINY: Tiles = Tiles {
-    warps_m: 1,
-    warps_n: 2,
-    frags_m: 1,
-    frags_n: 2,
-};
-
-/// The configuration for `m` rows and `n` output columns: the shortest tile that covers up to
-/// 64 rows (a decode step's batch; split-K fills the machine), otherwise the largest that still
-/// gives every multiprocessor about two cubes. `QERL_TC_TILES` (`tiny`, `small`, `mid`, `big`
-/// or `cubes`, the choice by cube count alone) overrides it for experiments.
+/// The configuration for `m` rows and `n` output columns: up to 64 rows (a decode step's
+/// batch) the shortest tile that covers them, 32x128 or 64x128 (split-K fills the machine),
+/// otherwise the largest that still gives every multiprocessor about two cubes.
+/// `QERL_TC_TILES` (`small`, `mid`, `big`, or `cubes`: the choice by cube count alone)
+/// overrides it for experiments. On an H100 (2026-11-26, 7B-shaped NVFP4 decode, 64 rows) this
+/// took a step from 22.06 ms (by cube count: 32x128 tiles on the 3,584-wide products) to
+/// 20.38 ms; a 16x64 tile at 16 rows was slower than 32x128 (14.21 against 13.12 ms).
 pub(crate) fn pick_tiles(m: usize, n: usize) -> Tiles {
     let cubes = |t: Tiles| m.div_ceil(t.bm()) * n.div_ceil(t.bn());
     match tiles_override() {
         Some(TilesOverride::Fixed(t)) => return t,
         Some(TilesOverride::ByCubes) => {}
-        None if m <= 16 => return TINY,
         None if m <= 32 => return SMALL,
         None if m <= 64 => return MID,
         None => {}
@@ -93,7 +86,6 @@ fn tiles_override() -> Option<TilesOverride> {
     *CHOICE.get_or_init(|| {
         let v = std::env::var("QERL_TC_TILES").ok()?;
         match v.as_str() {
-            "tiny" => Some(TilesOverride::Fixed(TINY)),
             "small" => Some(TilesOverride::Fixed(SMALL)),
             "mid" => Some(TilesOverride::Fixed(MID)),
             "big" => Some(TilesOverride::Fixed(BIG)),
