@@ -10,8 +10,9 @@
 #        tools/smollm2_pieces.sh   (.device/smollm2.part-aa, -ab, smollm2.sha256, smollm2-skel.tar.xz)
 # There (repository root; carry .device/... paths):
 #        bash tools/device_smollm2_table.sh
-# The GGUF does not fit one call beside the binary (64 MiB a call; the binary ~15 MiB, the xz'd
-# GGUF 86 MiB), so it comes in two pieces over two calls to the same warm machine: each call
+# The GGUF does not fit one call beside the binary (64 MiB a call including the working tree,
+# ~23 MB; the binary ~15 MiB, the xz'd GGUF 86 MiB), so it comes in four pieces of 22 MiB over
+# four calls to the same warm machine (the first with the binary): each call
 # keeps the pieces it finds in .device/ under $WORK/parts (runs/ survives between calls; a later
 # call's carry may replace .device/). While a piece is missing the call says which and
 # (WARM=1, the default) fills the kernel caches with a made-up model of the same shape

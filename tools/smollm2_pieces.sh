@@ -3,7 +3,8 @@
 # to a GPU machine beside the qerl binary (a call carries at most 64 MiB; .device/qerl.tar.gz is
 # ~15 MiB): xz -9e (98.4 MB -> 90.4 MB: 4-bit weights hardly compress; zstd -19 gives 89.9 MB but
 # the GPU machine may lack zstd, while xz or Python's lzma is everywhere), then `split` into
-# .device/smollm2.part-aa, -ab, ... of at most PIECE_MIB MiB (default 44: two pieces of 43.1 MiB).
+# .device/smollm2.part-aa, -ab, ... of at most PIECE_MIB MiB (default 22: four pieces, since
+# the working tree, ~23 MB, travels with every device call inside its 64 MiB).
 # Also writes .device/smollm2.sha256: the GGUF's sha256 and each piece's, which
 # tools/device_smollm2_table.sh checks after reassembling; and .device/smollm2-skel.tar.xz
 # (0.5 MB: config, tokenizer and the safetensors header of the converted model,
@@ -16,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 gguf=${1:-target/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
-piece_mib=${PIECE_MIB:-44}
+piece_mib=${PIECE_MIB:-22}
 [ -s "$gguf" ] || { echo "no $gguf: run tools/fetch_smollm2.sh first" >&2; exit 1; }
 mkdir -p .device
 sum=$(sha256sum "$gguf" | cut -d' ' -f1)
