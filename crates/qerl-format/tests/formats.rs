@@ -112,7 +112,10 @@ fn every_element_lies_within_half_a_grid_step() {
 
 #[test]
 fn relative_error_is_what_4_bits_give() {
-    // Gaussian weights: NVFP4 and NF4 land near 8-12% relative error, MXFP4 a little worse.
+    // Gaussian weights with 30x outliers: NVFP4 and NF4 land near 8-12% relative error, MXFP4 a
+    // little worse. The outliers (each its block's maximum, so nearly exact) can carry most of
+    // the energy: a draw with large ones gave 1.5% (seed 17925301164129089011), so the lower
+    // bound only says the weights were really quantized.
     let (rows, cols) = (64, 512);
     let (w, seed) = random_matrix(rows, cols);
     for format in QuantFormat::ALL {
@@ -127,7 +130,7 @@ fn relative_error_is_what_4_bits_give() {
         let den: f64 = w.iter().map(|a| (*a as f64).powi(2)).sum();
         let rel = (num / den).sqrt();
         assert!(
-            rel > 0.02 && rel < 0.2,
+            rel > 0.002 && rel < 0.2,
             "{format}: relative error {rel}, seed {seed}"
         );
     }
