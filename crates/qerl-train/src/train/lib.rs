@@ -11,6 +11,7 @@
 //! | [`checkpoint`] | atomic checkpoint directories and the trainer state |
 //! | [`run_dir`] | the run directory's lock, and what a fresh run may find there |
 //! | [`output_path`] | refusing an output file that is one of the inputs |
+//! | [`load_options`] | the `[model]` and `[lora]` config sections as the loader's options |
 //! | [`limits`] | a run's sizes held to the model's before anything is allocated |
 //! | [`out_of_memory`] | running out of device memory reported as an error that says what to change |
 //! | [`signal`] | the Ctrl-C flag |
@@ -27,6 +28,7 @@ pub mod dp;
 pub mod engine_rollout;
 pub mod evaluate;
 pub mod limits;
+pub mod load_options;
 pub mod noise;
 pub mod out_of_memory;
 pub mod output_path;

@@ -16,8 +16,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::DType;
 use qerl_model::config::eos_token_ids;
 use qerl_model::{
-    load, CausalLm, ChatTemplate, GenerationConfig, GenerationDefaults, LoadOptions, LoraSpec,
-    QerlBackend, SamplingParams, Tokenizer,
+    load, CausalLm, ChatTemplate, GenerationConfig, GenerationDefaults, QerlBackend,
+    SamplingParams, Tokenizer,
 };
 use qerl_rl::advantage::{group_advantages, zero_std_fraction};
 use qerl_rl::data::{load_jsonl, Example, PromptSampler};
@@ -29,6 +29,7 @@ use rand::{Rng, SeedableRng};
 use crate::checkpoint::{self, TrainerState, CONFIG_FILE, OPTIMIZER_FILE};
 use crate::dist::{Communicator, Single};
 use crate::dp::{gather_f32, global_scores, shard, GlobalRounds, RoundReport};
+use crate::load_options::load_options;
 use crate::noise::{set_noise, step_noise};
 use crate::peft::{self, AdapterMeta, HostTensor, PEFT_PREFIX};
 use crate::rollout::{encode_prompts, merge_scores, sample_groups_at, score_groups, Group};
@@ -68,16 +69,6 @@ impl TrainSetup {
             examples,
             chat: true,
         })
-    }
-}
-
-fn precision(p: qerl_rl::config::Precision) -> qerl_model::Precision {
-    use qerl_rl::config::Precision as P;
-    match p {
-        P::Nvfp4 => qerl_model::Precision::Nvfp4,
-        P::Bf16 => qerl_model::Precision::Bf16,
-        P::Mxfp4 => qerl_model::Precision::Mxfp4,
-        P::Nf4 => qerl_model::Precision::Nf4,
     }
 }
 
@@ -158,17 +149,7 @@ impl<B: TrainBackend> Trainer<B> {
     /// B zero: PEFT's initialisation) and a fresh optimizer.
     pub fn new(setup: TrainSetup, device: &B::Device) -> Result<Self> {
         let c = &setup.config;
-        let options = LoadOptions {
-            precision: Some(precision(c.model.precision)),
-            lora: Some(LoraSpec {
-                config: qerl_nn::LoraConfig {
-                    rank: c.lora.rank,
-                    alpha: c.lora.alpha,
-                },
-                targets: c.lora.targets.clone(),
-            }),
-            trainable_norms: c.lora.train_norms,
-        };
+        let options = load_options(&c.model, &c.lora);
         let dir = &c.model.dir;
         let mut model = load::<B>(dir, &options, device)
             .with_context(|| format!("cannot load the model in `{}`", dir.display()))?;

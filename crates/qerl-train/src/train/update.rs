@@ -558,10 +558,12 @@ mod tests {
     //! update, on the CPU with the tiny Qwen2 fixture (tied embeddings, vocabulary 512).
 
     use super::*;
+    use crate::load_options::load_options;
     use burn::backend::Autodiff;
     use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
     use burn::tensor::backend::AutodiffBackend;
-    use qerl_model::{load, LoadOptions, LoraConfig, LoraSpec, Precision};
+    use qerl_model::load;
+    use qerl_rl::config::{LoraConfig, ModelConfig, Precision};
     use qerl_rl::logprob::{token_entropy, token_log_probs};
     use rand::{Rng, SeedableRng};
 
@@ -573,27 +575,16 @@ mod tests {
     fn model() -> CausalLm<Ad> {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/compressed-tensors/qwen2_tied/nvfp4");
-        let options = LoadOptions {
-            precision: Some(Precision::Nvfp4),
-            lora: Some(LoraSpec {
-                config: LoraConfig {
-                    rank: 4,
-                    alpha: 8.0,
-                },
-                targets: [
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "o_proj",
-                    "gate_proj",
-                    "up_proj",
-                    "down_proj",
-                ]
-                .map(String::from)
-                .to_vec(),
-            }),
-            trainable_norms: true,
+        let model_config = ModelConfig {
+            dir: dir.clone(),
+            precision: Precision::Nvfp4,
         };
+        let lora_config = LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            ..LoraConfig::default()
+        };
+        let options = load_options(&model_config, &lora_config);
         let mut m = load::<Ad>(&dir, &options, &Default::default()).unwrap();
         let names: Vec<String> = (0..m.layers.len())
             .flat_map(|i| {
