@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use burn::tensor::{Tensor, TensorPrimitive};
 use half::bf16;
+use qerl_engine::reference::test_shape;
 use qerl_engine::ModelShape;
 use qerl_format::checkpoint::{par, quantize_checkpoint};
 use qerl_format::QuantFormat;
@@ -121,29 +122,24 @@ fn write_pair(shape: &ModelShape, dir: &Path, precisions: &[String]) -> Result<(
     Ok(())
 }
 
-/// A small Qwen2-like shape with widths whose rows cubecl pads on CUDA (544 and 1440 bytes of
-/// bf16), multiples of the NVFP4 block, and an untied lm_head.
+/// The engine's test shape ([`test_shape`]: two layers, grouped queries, q/k/v biases, an
+/// untied lm_head) at widths whose rows cubecl pads on CUDA (544 and 1440 bytes of bf16) and
+/// that are multiples of the NVFP4 block.
 fn check_shape() -> ModelShape {
-    let (hidden, heads) = (272, 4);
-    let head_dim = hidden / heads;
+    let base = test_shape();
+    let hidden = 272;
+    let head_dim = hidden / base.q_heads;
     ModelShape {
         name: "check".into(),
         vocab: 1000,
         hidden,
         intermediate: 720,
-        layers: 2,
-        q_heads: heads,
-        kv_heads: 2,
         head_dim,
-        qkv_bias: true,
-        o_bias: false,
-        mlp_bias: false,
-        tied_embeddings: false,
-        rms_eps: 1e-6,
         inv_freq: (0..head_dim / 2)
             .map(|i| 1e6f32.powf(-((2 * i) as f32) / head_dim as f32))
             .collect(),
         max_positions: 128,
+        ..base
     }
 }
 
