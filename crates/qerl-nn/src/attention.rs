@@ -98,6 +98,21 @@ fn t3<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 3> {
     Tensor::from_primitive(TensorPrimitive::Float(p))
 }
 
+/// `[ranges.len(), s, s]` row-major: `visible` where query `i` of row `r` sees key `j`
+/// (`start_r <= j < end_r` and `j <= i`, see the module docs), `hidden` elsewhere. Public so
+/// that an unfused attention (a benchmark's baseline) masks exactly as the fused one does.
+pub fn causal_mask(ranges: &[(usize, usize)], s: usize, visible: f32, hidden: f32) -> Vec<f32> {
+    let mut mask = vec![hidden; ranges.len() * s * s];
+    for (r, &(start, end)) in ranges.iter().enumerate() {
+        for i in 0..s {
+            for j in start..end.min(i + 1) {
+                mask[(r * s + i) * s + j] = visible;
+            }
+        }
+    }
+    mask
+}
+
 /// `(bias, visible)` `[b, 1, 1, s, s]` f32: 0 / `-1e30` and 1 / 0 per (query, key).
 fn masks<B: Backend>(
     ranges: &[(usize, usize)],
@@ -105,14 +120,7 @@ fn masks<B: Backend>(
     device: &B::Device,
 ) -> (Tensor<B, 5>, Tensor<B, 5>) {
     let b = ranges.len();
-    let mut vis = vec![0.0f32; b * s * s];
-    for (r, &(start, end)) in ranges.iter().enumerate() {
-        for i in 0..s {
-            for j in start..end.min(i + 1) {
-                vis[(r * s + i) * s + j] = 1.0;
-            }
-        }
-    }
+    let vis = causal_mask(ranges, s, 1.0, 0.0);
     let vis =
         Tensor::<B, 5>::from_data(TensorData::new(vis, [b, 1, 1, s, s]), (device, DType::F32));
     let bias = (vis.clone() - 1.0).mul_scalar(1.0e30);
@@ -301,5 +309,22 @@ mod tests {
         // a cache wider than the prompt: visible keys within the prompt's columns only
         assert_eq!(key_ranges(&[f, t, f, f], 1, 4, 2), Some(vec![(1, 2)]));
         assert_eq!(key_ranges(&[f, t, t, f], 1, 4, 2), None);
+    }
+
+    #[test]
+    fn causal_mask_is_causal_within_each_rows_key_range() {
+        // row 0 sees keys 0..2, row 1 (left padded) keys 1..3
+        let m = causal_mask(&[(0, 2), (1, 3)], 3, 1.0, 0.0);
+        #[rustfmt::skip]
+        let want = [
+            1.0, 0.0, 0.0,
+            1.0, 1.0, 0.0,
+            1.0, 1.0, 0.0,
+            //
+            0.0, 0.0, 0.0,
+            0.0, 1.0, 0.0,
+            0.0, 1.0, 1.0,
+        ];
+        assert_eq!(m, want);
     }
 }

@@ -27,7 +27,7 @@ mod linear;
 pub mod lm_head;
 mod norm;
 
-pub use attention::{causal_attention, key_ranges, KeyRanges};
+pub use attention::{causal_attention, causal_mask, key_ranges, KeyRanges};
 pub use backend::{LoraPrims, QerlBackend, QuantWeight};
 pub use linear::{Lora, LoraConfig, Nvfp4Linear};
 pub use lm_head::{lm_head_log_probs, Entropy, LogProbOptions};

@@ -12,7 +12,7 @@ use burn::backend::Autodiff;
 use burn::tensor::activation::softmax;
 use burn::tensor::{DType, Distribution, Tensor, TensorData};
 use clap::Args as ClapArgs;
-use qerl_nn::{causal_attention, QerlBackend};
+use qerl_nn::{causal_attention, causal_mask, QerlBackend};
 
 use super::generate::DeviceArg;
 
@@ -91,14 +91,7 @@ fn decomposed<B: QerlBackend>(
     let [b, h, s, d] = q.dims();
     let kv = k.dims()[1];
     let g = h / kv;
-    let mut bias = vec![-1.0e30f32; b * s * s];
-    for (r, &(start, end)) in ranges.iter().enumerate() {
-        for i in 0..s {
-            for j in start..end.min(i + 1) {
-                bias[(r * s + i) * s + j] = 0.0;
-            }
-        }
-    }
+    let bias = causal_mask(ranges, s, 0.0, -1.0e30);
     let bias = Tensor::<B, 5>::from_data(
         TensorData::new(bias, [b, 1, 1, s, s]),
         (&q.device(), DType::F32),
