@@ -7,13 +7,7 @@
 #   env: SHAPE (qwen2.5-7b), PRECISION (nvfp4), NEW (24 new tokens), SKIP (launches skipped:
 #   the prefill and the first steps), COUNT (launches profiled); the wall-time bench after:
 #   BENCH_BATCHES, BENCH_PRECISION, BENCH_NEW; HF_BATCHES runs the transformers peer too
-set -uo pipefail
-export OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-source tools/device_cache.sh
-source tools/device_cuda_libs.sh > "$OUT/cuda-libs.txt"
-tar -xzf .device/qerl.tar.gz -C /tmp
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
+source tools/device_preamble.sh
 batches=("$@")
 [ ${#batches[@]} -eq 0 ] && batches=(1 64)
 for b in "${batches[@]}"; do

@@ -4,13 +4,7 @@
 # timing; `qerl generate` on tiny-math through the engine (greedy == burn path; top-p sampling
 # runs); then whichever helper scripts are passed as arguments (each run with bash, its output
 # tailed). Usage there: bash tools/device_session_checks.sh [script args ...]
-set -uo pipefail
-export OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-source tools/device_cache.sh
-source tools/device_cuda_libs.sh > "$OUT/cuda-libs.txt"
-tar -xzf .device/qerl.tar.gz -C /tmp
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
+source tools/device_preamble.sh
 start=$SECONDS
 timeout -k 10 ${ROLLOUT_T:-150} /tmp/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 --batch 1,64 \
   --prompt 256 --new-tokens 128 --top-p 0.95 --top-k 50 --json "$OUT/topp.jsonl" 2>&1 | grep -v "^|" | tail -6

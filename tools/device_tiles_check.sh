@@ -2,42 +2,33 @@
 # One device call for the tensor-core product's tile choice by row count (32x128 tiles up to 32
 # rows, 64x128 up to 64; `QERL_TC_TILES=cubes` is the old choice by cube count)
 # and the fused attention: first the CUDA kernel suites against their host references, then the
-# rollout benchmark at batch 16 and 64 under each tile choice and stage depth (QERL_TC_BK), then
-# (LOAD=1) the staged upload against cubecl's, (ATTENTION=1) `qerl bench attention`.
+# rollout benchmark at batch 16 and 64 under each tile choice (VARIANTS: tile names, default
+# "auto cubes"), then (LOAD=1) the staged upload against cubecl's, (ATTENTION=1)
+# `qerl bench attention`.
 # Here: the release `qerl` (--features cuda) in .device/qerl.tar.gz, the test binaries
 # (`cargo test --release -p qerl-kernels --features cuda --test kernels --test attention
 # --no-run`, copied and stripped) in .device/kernels and .device/attention.
 # There: bash tools/device_tiles_check.sh   (carry .device)
-set -uo pipefail
-export OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-source tools/device_cache.sh
-source tools/device_cuda_libs.sh > "$OUT/cuda-libs.txt"
-tar -xzf .device/qerl.tar.gz -C /tmp
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
+source tools/device_preamble.sh
 for t in ${TESTS-kernels attention}; do
   [ -x .device/$t ] || continue
-  for bk in ${TEST_BKS:-32 128}; do
-    [ $t = attention ] && [ $bk != 32 ] && continue
-    start=$SECONDS
-    echo "== $t (CUDA, against the host reference), QERL_TC_BK=$bk"
-    QERL_TC_BK=$bk timeout -k 10 ${TEST_T:-200} .device/$t --ignored ${TEST_FILTER:-cuda} --test-threads=1 2>&1 |
-      grep -E "^test |test result|panicked|assert|mismatch" | head -40
-    echo "$t BK $bk: $((SECONDS - start)) s"
-  done
-done
-# Rollout variants: "tiles:depth" (tiles auto = by row count, cubes = the old choice).
-first=1
-for v in ${VARIANTS:-auto:32 auto:64 auto:128 cubes:32}; do
-  tiles=${v%%:*} bk=${v##*:}
   start=$SECONDS
-  echo "== rollout, tiles $tiles, stage depth $bk"
+  echo "== $t (CUDA, against the host reference)"
+  timeout -k 10 ${TEST_T:-200} .device/$t --ignored ${TEST_FILTER:-cuda} --test-threads=1 2>&1 |
+    grep -E "^test |test result|panicked|assert|mismatch" | head -40
+  echo "$t: $((SECONDS - start)) s"
+done
+# Rollout variants: tile choices (auto = by row count, cubes = the old choice by cube count).
+first=1
+for tiles in ${VARIANTS:-auto cubes}; do
+  start=$SECONDS
+  echo "== rollout, tiles $tiles"
   check=(--no-check); [ $first = 1 ] && [ -n "${CHECK:-}" ] && check=(); first=0
-  precisions=nvfp4; [ "$v" = auto:32 ] && [ -n "${BF16:-}" ] && precisions=nvfp4,bf16
-  QERL_TC_TILES=$tiles QERL_TC_BK=$bk timeout -k 10 ${ROLLOUT_T:-150} /tmp/qerl bench rollout --shape qwen2.5-7b \
+  precisions=nvfp4; [ "$tiles" = auto ] && [ -n "${BF16:-}" ] && precisions=nvfp4,bf16
+  QERL_TC_TILES=$tiles timeout -k 10 ${ROLLOUT_T:-150} /tmp/qerl bench rollout --shape qwen2.5-7b \
     --precision $precisions --batch ${BATCHES:-16,64} --prompt 256 --new-tokens ${NEW_TOKENS:-128} "${check[@]}" \
-    --json "$OUT/rollout-$tiles-$bk.jsonl" 2>&1 | grep -vE "^qwen" | tail -6
-  echo "rollout $tiles $bk: $((SECONDS - start)) s"
+    --json "$OUT/rollout-$tiles.jsonl" 2>&1 | grep -vE "^qwen" | tail -6
+  echo "rollout $tiles: $((SECONDS - start)) s"
 done
 if [ -n "${LOAD:-}" ]; then
   start=$SECONDS
