@@ -113,6 +113,36 @@ pub enum UploadError {
     /// The destination cubecl allocated is not what the data needs.
     #[error("uploading `{tensor}`: {what}")]
     Layout { tensor: String, what: String },
+    /// A pitched row is copied in one piece, so it must fit in one pinned staging buffer.
+    #[error(
+        "uploading `{tensor}`: a row of {row_bytes} bytes does not fit in a staging buffer of \
+         {chunk_bytes} bytes (raise {var})",
+        var = UploadConfig::CHUNK_VAR
+    )]
+    RowTooLarge {
+        tensor: String,
+        row_bytes: usize,
+        chunk_bytes: usize,
+    },
+}
+
+/// Bytes of data per staged chunk when every chunk must hold whole units of `unit` bytes (a
+/// pitched tensor's row; 1 for contiguous data): as many whole units as a staging buffer of
+/// `chunk_bytes` holds. An error when not even one unit fits, instead of chunks of nothing.
+pub(crate) fn staging_step(
+    tensor: &str,
+    unit: usize,
+    chunk_bytes: usize,
+) -> Result<usize, UploadError> {
+    let unit = unit.max(1);
+    match chunk_bytes / unit * unit {
+        0 => Err(UploadError::RowTooLarge {
+            tensor: tensor.to_string(),
+            row_bytes: unit,
+            chunk_bytes,
+        }),
+        step => Ok(step),
+    }
 }
 
 /// What a session uploaded, by path.
@@ -248,9 +278,11 @@ fn staged<R: Runtime>(
         };
         let bytes = data.len() as u64;
         let config = state.config;
-        // A pitched row must fit in one pinned buffer (rows of a weight are a few KiB).
+        // A pitched row must fit in one pinned buffer (rows of a weight are a few KiB); a
+        // tensor whose rows do not takes cubecl's path.
         let row_fits = layout.is_none_or(|(shape, elem)| {
-            shape.len() < 2 || shape.last().copied().unwrap_or(1) * elem <= config.chunk_bytes
+            let row_bytes = shape.last().copied().unwrap_or(1) * elem;
+            shape.len() < 2 || staging_step(tensor, row_bytes, config.chunk_bytes).is_ok()
         });
         if config.path == UploadPath::Staged && data.len() >= config.min_bytes.max(1) && row_fits {
             #[cfg(feature = "cuda")]
@@ -265,4 +297,39 @@ fn staged<R: Runtime>(
         state.stats.cubecl_bytes += bytes;
         Ok(None)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_steps_are_whole_rows_of_at_most_a_buffer() {
+        // contiguous data: the whole buffer
+        assert_eq!(staging_step("w", 1, 4096), Ok(4096));
+        // pitched rows of 1000 bytes: four of them
+        assert_eq!(staging_step("w", 1000, 4096), Ok(4000));
+        assert_eq!(staging_step("w", 4096, 4096), Ok(4096));
+        // empty rows count as one byte: no step of zero
+        assert_eq!(staging_step("w", 0, 4096), Ok(4096));
+    }
+
+    #[test]
+    fn a_row_larger_than_the_buffer_is_an_error_naming_both_sizes() {
+        let err = staging_step("model.embed_tokens.weight", 5000, 4096).unwrap_err();
+        assert_eq!(
+            err,
+            UploadError::RowTooLarge {
+                tensor: "model.embed_tokens.weight".into(),
+                row_bytes: 5000,
+                chunk_bytes: 4096,
+            }
+        );
+        let text = err.to_string();
+        for part in ["5000 bytes", "4096 bytes", UploadConfig::CHUNK_VAR] {
+            assert!(text.contains(part), "{text}");
+        }
+        // a buffer of nothing holds no data at all
+        assert!(staging_step("w", 1, 0).is_err());
+    }
 }

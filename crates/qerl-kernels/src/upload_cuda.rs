@@ -22,7 +22,7 @@ use cudarc::driver::sys::{self, CUDA_MEMCPY2D_st, CUmemorytype};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream, DriverError, PinnedHostSlice};
 use qerl_format::checkpoint::par;
 
-use crate::upload::{State, UploadError};
+use crate::upload::{staging_step, State, UploadError};
 
 /// `client` as the CUDA runtime's, when it is one.
 pub(crate) fn as_cuda<R: Runtime>(
@@ -73,21 +73,22 @@ impl Stager {
         Ok(())
     }
 
-    /// Copies `data`, `height` rows of `width` bytes, to `dst` with rows `pitch` bytes apart.
+    /// Copies `data`, `height` rows of `width` bytes, to `dst` with rows `pitch` bytes apart,
+    /// `step` bytes at a time ([`staging_step`]: whole rows, at most one buffer).
     fn copy(
         &mut self,
         dst: u64,
         data: &[u8],
         width: usize,
         pitch: usize,
+        step: usize,
     ) -> Result<(), DriverError> {
-        self.ctx.bind_to_thread()?;
         let capacity = self.buffers[0].0.len();
-        let step = if width == pitch {
-            capacity
-        } else {
-            (capacity / width) * width
-        };
+        assert!(
+            step > 0 && step <= capacity && (width == pitch || step.is_multiple_of(width.max(1))),
+            "staged copy: step {step} for rows of {width} bytes and buffers of {capacity}"
+        );
+        self.ctx.bind_to_thread()?;
         let mut offset = 0;
         for chunk in data.chunks(step) {
             let (buf, event) = &mut self.buffers[self.next];
@@ -191,6 +192,9 @@ pub(crate) fn upload(
         None => MemoryLayout::new(client.empty(data.len()), [1]),
     };
     let (width, height, pitch) = rows(tensor, data.len(), layout, &out.strides)?;
+    let chunk_bytes = state.config.chunk_bytes;
+    // Pitched rows go one whole row or more a chunk; contiguous data is cut anywhere.
+    let step = staging_step(tensor, if width == pitch { 1 } else { width }, chunk_bytes)?;
     let resource = client
         .get_resource(out.memory.clone())
         .map_err(|e| device_err(tensor, "cubecl get_resource", e))?;
@@ -217,7 +221,6 @@ pub(crate) fn upload(
     }
     .result()
     .map_err(|e| device_err(tensor, "cuPointerGetAttribute", e))?;
-    let chunk_bytes = state.config.chunk_bytes;
     let stager = match &mut state.stager {
         Some(s) if s.ordinal == ordinal => s,
         Some(s) => {
@@ -235,7 +238,7 @@ pub(crate) fn upload(
         ),
     };
     stager
-        .copy(ptr, data, width, pitch)
+        .copy(ptr, data, width, pitch, step)
         .map_err(|e| device_err(tensor, "cuMemcpyHtoDAsync", e))?;
     stager.in_flight.push(out.memory.clone());
     Ok(out)
