@@ -5,7 +5,8 @@
 //! * [`matmul_transposed`]: `dX[M,K] = dY[M,N] · deq(W)`, the backward product for dX.
 //!
 //! M <= 8 (16 where there are no tensor cores) goes to the decode kernel ([`crate::gemv`])
-//! where the runtime has warp operations;
+//! where the runtime has warp operations; up to 64 rows of an E2M1 weight to the decode-batch
+//! `mma` kernel ([`crate::gemm_mma`]) on CUDA;
 //! larger M to the tensor-core kernel ([`crate::gemm_tc`], with split-K when the output tiles
 //! do not fill the device) where it has `cmma`. The portable kernels below serve the rest.
 //! Both tile the output over a 16x16 cube, each unit owning a 2x2 patch, with the activation tile
@@ -20,6 +21,10 @@ use crate::tune::Product;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+pub use crate::gemm_mma::{
+    launches as mma_launches, options as mma_options, set_options as set_mma_options, MmaDecode,
+    MmaOptions,
+};
 pub use crate::gemv::{set_decode_max_m, DEFAULT_DECODE_MAX_M};
 pub use crate::splitk::force_splits;
 pub use crate::tune::{cublas_usable, set_strategy, strategy, Strategy, TileConfig, STRATEGY_ENV};
@@ -404,6 +409,18 @@ pub fn lora_down<R: Runtime, F: Float>(
     Ok(())
 }
 
+/// Whether the decode-batch mma kernel takes `m` rows of `weight`: only under the default
+/// strategy (the others choose their own products).
+fn mma_applies<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    weight: &DeviceWeight,
+    lora_rank: Option<usize>,
+) -> bool {
+    matches!(strategy(), Ok(Strategy::TensorCores))
+        && crate::gemm_mma::applies::<R, F>(client, m, weight, lora_rank)
+}
+
 /// `Y[M, N] = X[M, K] · deq(W)ᵀ (+ bias) (+ LoRA)`. `x` holds `M*K` elements of `F`, `y` `M*N`.
 pub fn matmul<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -433,11 +450,21 @@ pub fn matmul<R: Runtime, F: Float>(
         Some(l) => (l.t.clone(), l.b.clone(), l.rank, l.scale),
         None => (weight.code_table.clone(), weight.code_table.clone(), 0, 0.0),
     };
-    if crate::gemv::applies(client, m, k, tensor_cores::<R, F>(client, m, k)) {
+    // Up to 64 rows of an E2M1 weight on CUDA: the decode-batch mma kernel, from
+    // `min_m` rows (fewer go to the decode kernel).
+    let lora_rank = lora.as_ref().map(|l| l.rank);
+    let mma = mma_applies::<R, F>(client, m, weight, lora_rank);
+    let decode = crate::gemv::applies(client, m, k, tensor_cores::<R, F>(client, m, k));
+    if decode && !(mma && m >= crate::gemm_mma::options().min_m) {
         let l = lora
             .as_ref()
             .map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale));
         crate::gemv::launch::<R, F>(client, x, m, weight, bias.cloned(), l, y);
+        return Ok(());
+    }
+    if mma {
+        let l = lora.map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale));
+        crate::gemm_mma::launch::<R, F>(client, x, m, weight, bias.cloned(), l, y);
         return Ok(());
     }
     if tensor_cores::<R, F>(client, m, k) {
@@ -518,7 +545,11 @@ pub fn matmul_segments<R: Runtime, F: Float>(
             y: p.y,
         })
         .collect();
-    if !crate::gemv::segments_apply(client, m, &segs, tensor_cores::<R, F>(client, m, k)) {
+    let rank = first.lora.as_ref().map(|l| l.rank);
+    if !crate::gemv::segments_apply(client, m, &segs, tensor_cores::<R, F>(client, m, k))
+        || (m >= crate::gemm_mma::options().min_m
+            && mma_applies::<R, F>(client, m, first.weight, rank))
+    {
         return Ok(false);
     }
     check_buffer("matmul_segments", "x", x, bytes_of::<F>(m * k))?;

@@ -52,11 +52,32 @@ pub(crate) const MAX_M: usize = 16;
 /// M <= 8 it is the faster one.
 pub const DEFAULT_DECODE_MAX_M: usize = 8;
 static DECODE_MAX_M: AtomicUsize = AtomicUsize::new(DEFAULT_DECODE_MAX_M);
+static DECODE_MAX_M_ENV: std::sync::Once = std::sync::Once::new();
+
+/// `QERL_DECODE_MAX_M` (0 to 16), read once, before any explicit setting.
+fn read_env_once() {
+    DECODE_MAX_M_ENV.call_once(|| {
+        if let Some(v) = std::env::var("QERL_DECODE_MAX_M")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            DECODE_MAX_M.store(v.min(MAX_M), Ordering::Relaxed);
+        }
+    });
+}
+
+/// The largest M sent to the decode kernel where the tensor-core paths apply.
+fn decode_max_m() -> usize {
+    read_env_once();
+    DECODE_MAX_M.load(Ordering::Relaxed)
+}
 
 /// Sets the largest M that goes to the decode kernel (at most 16; 0 turns it off), for tests
-/// and benchmarks. Default [`DEFAULT_DECODE_MAX_M`]; where the tensor-core path does not apply,
-/// M <= 16 always takes the decode kernel when it can.
+/// and benchmarks (`QERL_DECODE_MAX_M` sets it for a process). Default
+/// [`DEFAULT_DECODE_MAX_M`]; where the tensor-core path does not apply, M <= 16 always takes the
+/// decode kernel when it can.
 pub fn set_decode_max_m(max: usize) {
+    read_env_once();
     DECODE_MAX_M.store(max.min(MAX_M), Ordering::Relaxed);
 }
 
@@ -430,11 +451,7 @@ pub(crate) fn applies<R: Runtime>(
     k: usize,
     tensor_cores: bool,
 ) -> bool {
-    let max = if tensor_cores {
-        DECODE_MAX_M.load(Ordering::Relaxed)
-    } else {
-        MAX_M
-    };
+    let max = if tensor_cores { decode_max_m() } else { MAX_M };
     m <= max
         && k.is_multiple_of(8 * WORDS)
         && client

@@ -25,6 +25,7 @@ pub mod dense;
 pub mod dequant;
 mod device;
 pub mod gemm;
+mod gemm_mma;
 mod gemm_tc;
 mod gemv;
 pub mod rms_norm;

@@ -547,6 +547,108 @@ fn has_cmma<R: Runtime, F: Float>(c: &ComputeClient<R>) -> bool {
     ok
 }
 
+/// Restores the decode-batch `mma` kernel's options when a test ends, even by a panic.
+struct MmaGuard(gemm::MmaOptions);
+
+impl MmaGuard {
+    fn set(o: gemm::MmaOptions) -> MmaGuard {
+        let before = gemm::mma_options();
+        gemm::set_mma_options(o);
+        MmaGuard(before)
+    }
+}
+
+impl Drop for MmaGuard {
+    fn drop(&mut self) {
+        gemm::set_mma_options(self.0);
+    }
+}
+
+/// The decode-batch `mma` kernel (CUDA, 1 to 64 rows of an NVFP4/MXFP4 weight with K a multiple
+/// of 64): rows and tokens that do not fill a tile, every warp tile, every E2M1 decoding (bit
+/// placement on bf16 only), bias, LoRA of rank 16 and of rank 6 (a partial 16-deep step),
+/// unsplit and with K-slices forced and chosen. Checks that the kernel ran.
+pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) || !has_cmma::<R, F>(&c) {
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    let bf16 = F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked();
+    // (format, M, N, K)
+    let cases = [
+        (QuantFormat::Nvfp4, 1, 48, 64),
+        (QuantFormat::Mxfp4, 5, 176, 192),
+        (QuantFormat::Nvfp4, 9, 48, 64),
+        (QuantFormat::Nvfp4, 16, 176, 192),
+        (QuantFormat::Mxfp4, 17, 112, 128),
+        (QuantFormat::Nvfp4, 33, 80, 320),
+        (QuantFormat::Mxfp4, 64, 208, 256),
+        (QuantFormat::Nvfp4, 64, 512, 3584),
+        (QuantFormat::Nvfp4, 40, 1040, 1152),
+    ];
+    let tiles = [None, Some((1, 1)), Some((2, 4)), Some((4, 8))];
+    let before = gemm::mma_launches();
+    for (ci, (format, m, n, k)) in cases.into_iter().enumerate() {
+        let w = random_weight(&mut rng, format, n, k);
+        let dw = DeviceWeight::upload(&c, &w).unwrap();
+        let deq = w.dequantize();
+        let x = normal(&mut rng, m * k, 1.0);
+        let bias = normal(&mut rng, n, 0.5);
+        let rank = if ci % 2 == 0 { 16 } else { 6 };
+        let a = normal(&mut rng, rank * k, 0.1);
+        let b = normal(&mut rng, n * rank, 0.1);
+        let scale = 2.0f32;
+        let (xh, bh, ah, lbh) = (
+            upload::<R, F>(&c, &x),
+            upload::<R, F>(&c, &bias),
+            upload::<R, F>(&c, &a),
+            upload::<R, F>(&c, &b),
+        );
+        let rx = rounded::<F>(&x);
+        let rbias = rounded::<F>(&bias);
+        let (ra, rb) = (rounded::<F>(&a), rounded::<F>(&b));
+        let lref = LoraRef {
+            a: &ra,
+            b: &rb,
+            rank,
+            scale: scale as f64,
+        };
+        let want = matmul_ref(&rx, &deq, m, n, k, None, None);
+        let want_lora = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), Some(&lref));
+        for decode in gemm::MmaDecode::ALL {
+            if decode == gemm::MmaDecode::Bits && !bf16 {
+                continue;
+            }
+            for t in tiles {
+                for splits in [None, Some(1), Some(3)] {
+                    let _m = MmaGuard::set(gemm::MmaOptions {
+                        enabled: true,
+                        tiles: t,
+                        decode,
+                        warps_per_sm: 12,
+                        min_m: 1,
+                    });
+                    let _s = SplitGuard::force(splits);
+                    let what = format!(
+                        "mma {format} M={m} N={n} K={k} tiles={t:?} {decode:?} splits={splits:?}"
+                    );
+                    let y = poisoned::<R, F>(&c, m * n);
+                    gemm::matmul::<R, F>(&c, &xh, m, &dw, None, None, &y).unwrap();
+                    assert_close(&what, &read::<R, F>(&c, &y), &want, tol, seed);
+                    let got = lora_forward::<R, F>(&c, &dw, &xh, m, (&ah, &lbh, rank, scale), &bh);
+                    let what = format!("{what} +bias+LoRA(r={rank})");
+                    assert_close(&what, &got, &want_lora, tol, seed);
+                }
+            }
+        }
+    }
+    assert!(
+        gemm::mma_launches() > before,
+        "the mma kernel never ran (seed {seed})"
+    );
+}
+
 /// Sends M <= 16 to the decode kernel while alive.
 struct DecodeGuard;
 
@@ -900,6 +1002,8 @@ macro_rules! suite {
             fn matmul_lora_epilogue() { super::matmul_lora::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_tensor_cores() { super::matmul_tensor_cores::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn matmul_mma_decode_batches() { super::matmul_mma::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_decode_split_k() { super::matmul_decode::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]

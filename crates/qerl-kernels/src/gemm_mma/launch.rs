@@ -1,0 +1,272 @@
+//! When the decode-batch tensor-core product applies, its warp tiles, split-K and the launch.
+
+use super::{gemm_mma_kernel, CHUNK};
+use crate::device::DeviceWeight;
+use crate::splitk::{self, ReduceEpilogue};
+use cubecl::features::MmaConfig;
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use qerl_format::QuantFormat;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Most rows (tokens) this kernel takes; larger products go to the tiled kernels.
+pub(crate) const MAX_M: usize = 64;
+
+/// Warps per cube: the cube only shares the two small tables, so this is launch geometry.
+const WARPS: usize = 4;
+
+/// Fewest 64-deep chunks per K-slice.
+const MIN_SPLIT_CHUNKS: usize = 4;
+
+/// Options of the decode-batch tensor-core product ([`crate::gemm::set_mma_options`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmaOptions {
+    /// Whether products of up to 64 rows take this kernel where it applies (default on;
+    /// `QERL_MMA=off` turns it off).
+    pub enabled: bool,
+    /// `(r_tiles, m_tiles)`: a warp's 16-row weight tiles and 8-token tiles; `None` picks by M
+    /// (`QERL_MMA_TILES=4x2` etc. overrides).
+    pub tiles: Option<(usize, usize)>,
+    /// How E2M1 codes become `F` (`QERL_MMA_DECODE=table|bits|pairs`).
+    pub decode: MmaDecode,
+    /// Warps a multiprocessor should hold before the reduction is split
+    /// (`QERL_MMA_WARPS_PER_SM`, default 12).
+    pub warps_per_sm: usize,
+    /// Fewest rows this kernel takes ahead of the decode kernel (`QERL_MMA_MIN_M`, default
+    /// [`DEFAULT_MIN_M`]); below it, up to 8 rows go to [`crate::gemv`].
+    pub min_m: usize,
+}
+
+/// Fewest rows sent to this kernel by default.
+pub const DEFAULT_MIN_M: usize = 2;
+
+impl MmaOptions {
+    fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok();
+        let tiles = var("QERL_MMA_TILES").and_then(|v| {
+            let (r, m) = v.split_once('x')?;
+            let (r, m) = (r.parse().ok()?, m.parse().ok()?);
+            valid_tiles(r, m).then_some((r, m))
+        });
+        MmaOptions {
+            enabled: var("QERL_MMA").is_none_or(|v| v != "off" && v != "0"),
+            tiles,
+            decode: match var("QERL_MMA_DECODE").as_deref() {
+                Some("table") => MmaDecode::Table,
+                Some("bits") => MmaDecode::Bits,
+                Some("pairs") => MmaDecode::Pairs,
+                _ => MmaDecode::DEFAULT,
+            },
+            warps_per_sm: var("QERL_MMA_WARPS_PER_SM")
+                .and_then(|v| v.parse().ok())
+                .filter(|w| (1..=64).contains(w))
+                .unwrap_or(12),
+            min_m: var("QERL_MMA_MIN_M")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(DEFAULT_MIN_M),
+        }
+    }
+}
+
+/// How the kernel turns E2M1 codes into `F` (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MmaDecode {
+    /// 16-entry f32 table, f32 product with the scale rounded once.
+    Table,
+    /// Bit placement into bf16 (bf16 only; the table elsewhere).
+    Bits,
+    /// 256-entry table of code pairs, one pair multiply by the scale.
+    Pairs,
+}
+
+impl MmaDecode {
+    pub const ALL: [MmaDecode; 3] = [Self::Table, Self::Bits, Self::Pairs];
+    pub const DEFAULT: MmaDecode = MmaDecode::Pairs;
+}
+
+fn valid_tiles(r: usize, m: usize) -> bool {
+    [1, 2, 4].contains(&r) && [1, 2, 4, 8].contains(&m)
+}
+
+static OPTIONS: Mutex<Option<MmaOptions>> = Mutex::new(None);
+
+/// The options in force: those set last, else the environment's.
+pub fn options() -> MmaOptions {
+    let mut o = OPTIONS.lock().unwrap_or_else(|e| e.into_inner());
+    *o.get_or_insert_with(MmaOptions::from_env)
+}
+
+/// Replaces the options for every later launch in this process (tests, benchmarks).
+pub fn set_options(options: MmaOptions) {
+    assert!(
+        options.tiles.is_none_or(|(r, m)| valid_tiles(r, m)),
+        "MmaOptions::tiles: r_tiles in {{1, 2, 4}}, m_tiles in {{1, 2, 4, 8}}"
+    );
+    *OPTIONS.lock().unwrap_or_else(|e| e.into_inner()) = Some(options);
+}
+
+static LAUNCHES: AtomicUsize = AtomicUsize::new(0);
+
+/// Products this kernel has run in this process (tests check that a path was taken).
+pub fn launches() -> usize {
+    LAUNCHES.load(Ordering::Relaxed)
+}
+
+/// Whether this kernel runs `m` rows against `weight` in `F` here: CUDA `mma.m16n8k16` for
+/// `F x F -> f32` with 32-wide planes, an E2M1 format (NVFP4, MXFP4), `K` a multiple of 64 and
+/// an even LoRA rank.
+pub(crate) fn applies<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    weight: &DeviceWeight,
+    lora_rank: Option<usize>,
+) -> bool {
+    if !(options().enabled && m <= MAX_M) {
+        return false;
+    }
+    let props = client.properties();
+    let ty = F::as_type_native_unchecked().storage_type();
+    let cfg = MmaConfig {
+        a_type: ty,
+        b_type: ty,
+        cd_type: f32::as_type_native_unchecked().storage_type(),
+        m: 16,
+        n: 8,
+        k: 16,
+    };
+    weight.format != QuantFormat::Nf4
+        && weight.k.is_multiple_of(CHUNK)
+        && lora_rank.is_none_or(|r| r.is_multiple_of(2))
+        && props.features.matmul.mma.contains(&cfg)
+        && props.hardware.plane_size_min == 32
+        && props.hardware.plane_size_max == 32
+}
+
+/// `(r_tiles, m_tiles)` for `m` rows: every token of a warp's weight rows in one warp up to
+/// 32 rows; 64 rows as 8 token tiles of 2 weight tiles (128 accumulators a lane at most).
+fn pick_tiles(m: usize, o: &MmaOptions) -> (usize, usize) {
+    if let Some(t) = o.tiles {
+        return t;
+    }
+    match m {
+        0..=8 => (4, 1),
+        9..=16 => (4, 2),
+        17..=32 => (4, 4),
+        _ => (2, 8),
+    }
+}
+
+/// `Y[M, N] = X[M, K] · deq(W)ᵀ (+ bias) (+ s·T·Bᵀ)`; the caller checked buffers and
+/// [`applies`].
+pub(crate) fn launch<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    weight: &DeviceWeight,
+    bias: Option<Handle>,
+    lora: Option<(Handle, Handle, usize, f32)>,
+    y: &Handle,
+) {
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    let o = options();
+    let (r_tiles, m_tiles) = pick_tiles(m, &o);
+    let (n, k) = (weight.n, weight.k);
+    let row_groups = n.div_ceil(16 * r_tiles);
+    let m_groups = m.div_ceil(8 * m_tiles);
+    let target = o.warps_per_sm * splitk::multiprocessors(client);
+    let (splits, per) = splitk::plan(row_groups * m_groups, k / CHUNK, target, MIN_SPLIT_CHUNKS);
+    let geometry = Geometry {
+        m,
+        r_tiles,
+        m_tiles,
+        grid: (row_groups.div_ceil(WARPS), m_groups, splits),
+        per,
+        decode: match o.decode {
+            MmaDecode::Table => super::DECODE_TABLE,
+            // The bit placement is exact for bf16 only.
+            MmaDecode::Bits
+                if F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked() =>
+            {
+                super::DECODE_BITS
+            }
+            MmaDecode::Bits => super::DECODE_TABLE,
+            MmaDecode::Pairs => super::DECODE_PAIRS,
+        },
+    };
+    if splits == 1 {
+        geometry.run::<R, F, F>(client, x, weight, bias, lora, y);
+        return;
+    }
+    let part = splitk::workspace(client, splits, m, n);
+    geometry.run::<R, F, f32>(client, x, weight, None, lora, &part);
+    let epilogue = ReduceEpilogue { bias, lora: None };
+    splitk::reduce::<R, F, F>(client, part, splits, m, n, epilogue, y);
+}
+
+struct Geometry {
+    m: usize,
+    r_tiles: usize,
+    m_tiles: usize,
+    grid: (usize, usize, usize),
+    per: usize,
+    decode: u32,
+}
+
+impl Geometry {
+    /// One launch into `y` (`splits` blocks of `M x N` elements of `O`).
+    fn run<R: Runtime, F: Float, O: Float>(
+        &self,
+        client: &ComputeClient<R>,
+        x: &Handle,
+        weight: &DeviceWeight,
+        bias: Option<Handle>,
+        lora: Option<(Handle, Handle, usize, f32)>,
+        y: &Handle,
+    ) {
+        let (m, n, k) = (self.m, weight.n, weight.k);
+        let has_bias = bias.is_some();
+        let bias = bias.unwrap_or_else(|| weight.code_table.clone());
+        let has_lora = lora.is_some();
+        let (t, b, rank, scale) = lora.unwrap_or_else(|| {
+            let u = weight.code_table.clone();
+            (u.clone(), u, 0, 0.0)
+        });
+        let count = CubeCount::Static(self.grid.0 as u32, self.grid.1 as u32, self.grid.2 as u32);
+        // SAFETY: the caller checked x (M*K), y (splits*M*N of O), bias (N), T (M*r), B (N*r)
+        // and `applies` (K a multiple of 64, even rank); the kernel bounds rows by N, tokens by
+        // M, chunks by K / 64 and LoRA columns by the rank.
+        unsafe {
+            gemm_mma_kernel::launch_unchecked::<F, O, R>(
+                client,
+                count,
+                CubeDim::new_1d((32 * WARPS) as u32),
+                2,
+                4,
+                ArrayArg::from_raw_parts(x.clone(), m * k / 4),
+                ArrayArg::from_raw_parts(weight.codes.clone(), weight.words() / 2),
+                ArrayArg::from_raw_parts(weight.scale_bytes.clone(), weight.scale_words()),
+                ArrayArg::from_raw_parts(weight.scale_table.clone(), weight.scale_table_len()),
+                ArrayArg::from_raw_parts(weight.code_table.clone(), 16),
+                ArrayArg::from_raw_parts(bias, n),
+                ArrayArg::from_raw_parts(t, m * rank.max(1)),
+                ArrayArg::from_raw_parts(b, (n * rank / 2).max(1)),
+                ArrayArg::from_raw_parts(y.clone(), self.grid.2 * m * n),
+                m as u32,
+                n as u32,
+                k as u32,
+                self.per as u32,
+                rank as u32,
+                scale,
+                WARPS,
+                self.r_tiles,
+                self.m_tiles,
+                weight.block(),
+                self.decode,
+                has_bias,
+                has_lora,
+                self.grid.2 > 1,
+            );
+        }
+    }
+}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call for the decode-batch mma kernel (crates/qerl-kernels/src/gemm_mma): first the
+# CUDA kernel tests against the host f64 reference (the mma kernel, then the products it sits
+# beside), then the rollout benchmark at the decode batches it serves, with the kernel off (the
+# tiled tensor-core kernel, the previous path) and on, under each variant.
+# Here: the release `qerl` (--features cuda) in .device/qerl-mma.tar.gz and the kernel test binary
+# (`cargo test --release -p qerl-kernels --features cuda --test kernels --no-run`, copied and
+# stripped) in .device/kernels.
+# There: bash tools/device_mma_check.sh   (carry .device/qerl-mma.tar.gz, .device/kernels)
+# Env: TESTS (1: run the kernel tests), TEST_FILTERS, VARIANTS ("name:ENV=v,ENV=v ..."; "off"
+# is QERL_MMA=off), BATCHES (16,64), NEW_TOKENS (128), PRECISIONS (nvfp4), ROLLOUT_T (150).
+set -uo pipefail
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source tools/device_cache.sh
+mkdir -p /tmp/qm && tar -xzf .device/qerl-mma.tar.gz -C /tmp/qm
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
+if [ "${TESTS:-1}" = 1 ] && [ -x .device/kernels ]; then
+  for f in ${TEST_FILTERS:-cuda_bf16::matmul_mma cuda_f16::matmul_mma cuda_bf16::matmul_}; do
+    start=$SECONDS
+    echo "== kernel tests $f (CUDA, against the host reference)"
+    timeout -k 10 ${TEST_T:-240} .device/kernels --ignored --test-threads=1 "$f" 2>&1 |
+      grep -E "^test |test result|panicked|assert|error|seed" | head -30
+    echo "tests $f: $((SECONDS - start)) s"
+  done
+fi
+for v in ${VARIANTS:-off on bits:QERL_MMA_DECODE=bits}; do
+  name=${v%%:*}
+  envs=()
+  case $v in
+    off) envs=(QERL_MMA=off) ;;
+    on) ;;
+    *:*) IFS=, read -ra envs <<< "${v#*:}" ;;
+  esac
+  start=$SECONDS
+  echo "== rollout $name (${envs[*]:-defaults})"
+  env "${envs[@]}" timeout -k 10 ${ROLLOUT_T:-150} /tmp/qm/qerl bench rollout --shape qwen2.5-7b \
+    --precision ${PRECISIONS:-nvfp4} --batch ${BATCHES:-16,64} --prompt 256 \
+    --new-tokens ${NEW_TOKENS:-128} --no-check --json "$OUT/rollout-$name.jsonl" 2>&1 |
+    grep -vE "^qwen" | tail -${TAIL:-5}
+  echo "rollout $name: $((SECONDS - start)) s"
+done
