@@ -87,6 +87,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
     {
         bail!("--prompts, --group, --prompt-len, --completion-len and --steps must be positive");
     }
+    // A micro-batch past 32-bit indexing panics inside CubeCL: refuse it here, naming the
+    // arguments to change.
+    qerl_train::limits::check_micro_batch(
+        a.prompts * a.group,
+        a.grad_accum,
+        a.prompt_len + a.completion_len,
+        config.intermediate_size,
+    )
+    .map_err(|e| {
+        anyhow::anyhow!("{e} (here: --prompts x --group, --grad-accum, --completion-len)")
+    })?;
     if a.rollout != "generate" && a.rollout != "synthetic" {
         bail!("--rollout: `{}` is not generate or synthetic", a.rollout);
     }
@@ -373,7 +384,20 @@ fn max_context<B>(
 where
     B: QerlBackend,
 {
+    let intermediate = model.config().intermediate_size;
     let mut try_len = |len: usize| -> Result<bool> {
+        // Past 32-bit indexing a step panics instead of running out of memory: the search
+        // treats that length as not fitting, and says so.
+        let tokens = a.prompt_len + len;
+        if let Err(e) = qerl_train::limits::check_micro_batch(
+            a.prompts * a.group,
+            a.grad_accum,
+            tokens,
+            intermediate,
+        ) {
+            println!("completion {len}: past the tensor size limit ({e})");
+            return Ok(false);
+        }
         let r = guard(
             &format!("completion {len}"),
             || pool_text::<B>(device),
