@@ -183,6 +183,31 @@ pub fn pack_bytes(bytes: &[u8]) -> Vec<u32> {
         .collect()
 }
 
+/// Whether the runtime multiplies `F x F -> f32` tiles of `m x n x k` on 32-wide planes: as a
+/// `cmma` (warp-level WMMA) when `cmma`, else as a manual `mma`.
+pub(crate) fn has_f32_mma<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    (m, n, k): (usize, usize, usize),
+    cmma: bool,
+) -> bool {
+    let props = client.properties();
+    let ty = F::as_type_native_unchecked().storage_type();
+    let cfg = cubecl::features::MmaConfig {
+        a_type: ty,
+        b_type: ty,
+        cd_type: f32::as_type_native_unchecked().storage_type(),
+        m: m as u32,
+        n: n as u32,
+        k: k as u32,
+    };
+    let set = if cmma {
+        &props.features.matmul.cmma
+    } else {
+        &props.features.matmul.mma
+    };
+    set.contains(&cfg) && props.hardware.plane_size_min == 32 && props.hardware.plane_size_max == 32
+}
+
 /// Most cubes along one grid dimension that every runtime accepts.
 const MAX_GRID_DIM: u32 = 65_535;
 

@@ -3,7 +3,6 @@
 use super::{gemm_mma_kernel, CHUNK};
 use crate::device::DeviceWeight;
 use crate::splitk::{self, ReduceEpilogue};
-use cubecl::features::MmaConfig;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use qerl_format::QuantFormat;
@@ -125,22 +124,10 @@ pub(crate) fn applies<R: Runtime, F: Float>(
     if !(options().enabled && m <= MAX_M) {
         return false;
     }
-    let props = client.properties();
-    let ty = F::as_type_native_unchecked().storage_type();
-    let cfg = MmaConfig {
-        a_type: ty,
-        b_type: ty,
-        cd_type: f32::as_type_native_unchecked().storage_type(),
-        m: 16,
-        n: 8,
-        k: 16,
-    };
     weight.format != QuantFormat::Nf4
         && weight.k.is_multiple_of(CHUNK)
         && lora_rank.is_none_or(|r| r.is_multiple_of(2))
-        && props.features.matmul.mma.contains(&cfg)
-        && props.hardware.plane_size_min == 32
-        && props.hardware.plane_size_max == 32
+        && crate::device::has_f32_mma::<R, F>(client, (16, 8, 16), false)
 }
 
 /// `(r_tiles, m_tiles)` for `m` rows: every token of a warp's weight rows in one warp up to

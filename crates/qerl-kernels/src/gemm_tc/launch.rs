@@ -3,7 +3,6 @@
 use super::{gemm_tc_kernel, BK, KV};
 use crate::device::DeviceWeight;
 use crate::splitk::{self, ReduceEpilogue};
-use cubecl::features::MmaConfig;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
@@ -97,20 +96,7 @@ fn tiles_override() -> Option<TilesOverride> {
 
 /// Whether the tensor-core path can run a product with reduction depth `k` in `F` here.
 pub(crate) fn applies<R: Runtime, F: Float>(client: &ComputeClient<R>, k: usize) -> bool {
-    let props = client.properties();
-    let ty = F::as_type_native_unchecked().storage_type();
-    let cfg = MmaConfig {
-        a_type: ty,
-        b_type: ty,
-        cd_type: f32::as_type_native_unchecked().storage_type(),
-        m: 16,
-        n: 16,
-        k: 16,
-    };
-    k.is_multiple_of(BK)
-        && props.features.matmul.cmma.contains(&cfg)
-        && props.hardware.plane_size_min == 32
-        && props.hardware.plane_size_max == 32
+    k.is_multiple_of(BK) && crate::device::has_f32_mma::<R, F>(client, (16, 16, 16), true)
 }
 
 /// What [`launch`] computes.
