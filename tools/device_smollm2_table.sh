@@ -58,21 +58,35 @@ if [ "$device" = cuda ]; then
   cache_restore
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; date -u +%FT%TZ; } | tee "$logs/device.txt"
   export CUBECL_AUTOTUNE_LEVEL=minimal
+  # MPS (MPS=1, the default): the table's processes launch small kernels; without MPS the GPU
+  # time-slices between their contexts, with it their kernels run side by side. Checked with
+  # one CUDA context first; off again if that fails, and stopped when the script ends.
+  if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/qerl-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qerl-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT &&
+      timeout 60 python3 -c "import torch; print('MPS on: a CUDA context answers', float(torch.ones(8, device='cuda').sum()))"; then
+      :
+    else
+      echo quit | nvidia-cuda-mps-control; trap - EXIT
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; echo "MPS failed: off"
+    fi
+  fi
 fi
 
-# --- the binary
+# --- the pieces: keep what this call brought, check it, reassemble when complete
+for f in .device/smollm2.sha256 .device/smollm2-skel.tar.xz .device/smollm2.part-*; do
+  [ -f "$f" ] && cp "$f" "$work/parts/"
+done
+# --- the binary (after the pieces are stored: a call without it still keeps what it brought)
 if [ -n "${QERL:-}" ]; then
   qerl=$(realpath "$QERL")
 else
   [ -f .device/qerl.tar.gz ] && tar -xzf .device/qerl.tar.gz -C "$work"
   qerl=$work/qerl
 fi
-[ -x "$qerl" ] || { echo "no qerl binary: carry .device/qerl.tar.gz (or set QERL)"; exit 1; }
+[ -x "$qerl" ] || { echo "no qerl binary: carry .device/qerl.tar.gz (or set QERL); pieces kept: $(ls "$work/parts" | tr '\n' ' ')"; exit 1; }
 
-# --- the pieces: keep what this call brought, check it, reassemble when complete
-for f in .device/smollm2.sha256 .device/smollm2-skel.tar.xz .device/smollm2.part-*; do
-  [ -f "$f" ] && cp "$f" "$work/parts/"
-done
 gguf=${MODEL_GGUF:-}
 missing=""
 if [ -z "$gguf" ]; then
@@ -136,15 +150,19 @@ if [ "$stage" = warm ]; then
   [ -f "$skel" ] || { echo "no .device/smollm2-skel.tar.xz: nothing to warm with"; exit 0; }
   [ -s "$work/skeleton/model.safetensors" ] || python3 tools/smollm2_skeleton.py make "$skel" "$work/skeleton" || exit 1
   run_timeout=$(($(left) - 40)) budget=$(($(left) - 100))
-  say "warm-up on the made-up model (the table's processes, 3 steps each), ${run_timeout}s at most"
-  for seed in $seeds; do
+  # One process per variant (WARM_SEEDS, default one seed): the kernels are the same for every
+  # seed, and a fresh machine's NVRTC needs minutes per process (2026-11-26: 15 processes at
+  # once finished no step in 279 s), so fewer processes reach the later steps' kernels sooner.
+  say "warm-up on the made-up model (one process per variant, 2 steps each), ${run_timeout}s at most"
+  for seed in ${WARM_SEEDS:-1}; do
     for v in "bf16 bf16 none" "nvfp4 nvfp4 none" "nvfp4-aqn nvfp4 exponential" "nf4 nf4 none" "mxfp4 mxfp4 none"; do
       set -- $v
-      run warm-$1 "$seed" $2 $3 "$work/skeleton" --set train.steps=3 --set aqn.num_stages=3 --set train.eval_interval=3 &
+      run warm-$1 "$seed" $2 $3 "$work/skeleton" --set train.steps=2 --set aqn.num_stages=2 --set train.eval_interval=2 &
     done
   done
   wait
   for f in "$logs"/warm-*.log; do echo "== $f: $(tail -n 1 "$f")"; grep -iE "error|panic|out of memory" "$f" | head -n 3; done
+  tar -czf "$out/smollm2-warm-logs.tgz" -C "$work" logs $(cd "$work" && ls -d runs/warm-*/metrics.jsonl runs/warm-*/eval.jsonl 2> /dev/null)
   # what a step costs with every process of the table on the GPU at once (completions of the
   # made-up model always reach MAX_TOKENS: an upper bound), and the memory each holds
   python3 - "$work/runs" "$deadline" "${EVAL_RESERVE:-60}" <<'PY' | tee "$logs/warm-timing.txt"
@@ -160,11 +178,14 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "warm-*", "metrics.jsonl")))
 if times:
     slow = max(times)
     room = int(sys.argv[2]) - 30 - int(sys.argv[3]) - 60
-    fit = max(10, min(100, int(room / slow)))
+    # the table runs 3x as many processes at once as the warm-up: count each step twice as long
+    fit = max(10, min(100, int(room / (2 * slow))))
     print(f"slowest last step: {slow:.2f} s; memory of all processes: {sum(mem) / 1e9:.1f} GB; "
           f"a table call has ~{room} s of training: STEPS={fit} fits (the next call's default)")
     open(os.path.join(sys.argv[1], "..", "steps-fit"), "w").write(f"{fit}\n")
 PY
+  [ "$device" = cuda ] && cache_save && [ "$(stat -c %s "$out/cubecl-cache.tgz")" -gt 16000000 ] &&
+    rm -f "$out/cubecl-cache.tgz" && echo "(cache past 16 MB: not brought back)"
   say "warm-up done; carry the missing pieces ($missing) next"
   exit 0
 fi
