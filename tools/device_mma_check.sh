@@ -13,7 +13,7 @@ set -uo pipefail
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source tools/device_cache.sh
-mkdir -p /tmp/qm && tar -xzf .device/qerl-mma.tar.gz -C /tmp/qm
+mkdir -p /tmp/qm && tar -xzf "${QERL_TAR:-.device/qerl-mma.tar.gz}" -C /tmp/qm
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
 if [ "${TESTS:-1}" = 1 ] && [ -x .device/kernels ]; then
   for f in ${TEST_FILTERS:-cuda_bf16::matmul_mma cuda_f16::matmul_mma cuda_bf16::matmul_}; do

@@ -187,6 +187,13 @@ where
         });
         match result {
             Ok((steps, fits)) => rows.push((p.clone(), Some(steps), fits)),
+            Err(e)
+                if e.downcast_ref::<OutOfMemory>()
+                    .is_some_and(|o| o.runtime_lost) =>
+            {
+                // the runtime's server thread is gone: nothing more can run in this process
+                return Err(e);
+            }
             Err(e) if e.downcast_ref::<OutOfMemory>().is_some() => {
                 println!("{p}: {e:#}");
                 rows.push((p.clone(), None, None));
@@ -403,6 +410,12 @@ where
             || pool_text::<B>(device),
             || grpo_step(model, optim, a, len, 0, device),
         );
+        if r.as_ref().is_err_and(|e| {
+            e.downcast_ref::<OutOfMemory>()
+                .is_some_and(|o| o.runtime_lost)
+        }) {
+            return r.map(|_| false);
+        }
         B::memory_cleanup(device);
         match r {
             Ok(t) => {

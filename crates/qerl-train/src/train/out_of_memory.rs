@@ -6,9 +6,16 @@
 //! hook from printing it, and returns [`OutOfMemory`] naming the phase and the settings that
 //! lower the memory a step needs; the run then ends like any failed run, with its last
 //! checkpoint intact (checkpoints are written atomically). Any other panic goes on unwinding.
+//!
+//! On CUDA the allocation fails on cubecl's device-server thread (`DSD-…`: `can't allocate
+//! buffer of size: N`), which dies; the training thread then panics with whatever its next call
+//! meets (`CallError`, `Communication channel with the server is down`, an autotune plan that
+//! cannot run). So the panic hook records an out-of-memory panic of any thread, and [`guard`]
+//! reports any panic of its phase that follows one as running out of memory (seen on an H100,
+//! 2026-11-27: a 7B update of 64 x 1,280 tokens without checkpointing asked for 21.3 GB).
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::Once;
+use std::sync::{Mutex, Once};
 
 use thiserror::Error;
 
@@ -26,6 +33,9 @@ pub struct OutOfMemory {
     pub pool: String,
     /// The first line of the runtime's own message.
     pub reason: String,
+    /// The allocation failed on the runtime's own thread, which is gone: this process cannot
+    /// use the device again (the caller ends instead of trying the next thing).
+    pub runtime_lost: bool,
 }
 
 /// Whether a panic message is the runtime running out of memory: cubecl's `OutOfMemory` launch
@@ -37,6 +47,7 @@ pub fn is_out_of_memory(message: &str) -> bool {
         "out of memory",
         "outofmemory",
         "out_of_memory",
+        "can't allocate buffer",
     ]
     .iter()
     .any(|w| m.contains(w))
@@ -50,18 +61,51 @@ fn payload_text(payload: &(dyn std::any::Any + Send)) -> Option<&str> {
         .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
 }
 
-/// Keeps the panic hook quiet for out-of-memory panics (they become an [`OutOfMemory`] error
-/// with one readable message); every other panic is printed as before.
+/// The first out-of-memory panic message of any thread since the last [`guard`] began.
+static RECORDED: Mutex<Option<String>> = Mutex::new(None);
+
+fn recorded() -> std::sync::MutexGuard<'static, Option<String>> {
+    RECORDED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Records out-of-memory panics of every thread and keeps the panic hook quiet for them, and for
+/// the panics that follow one (the runtime's threads failing one after another once its server
+/// is gone): they become one [`OutOfMemory`] error with one readable message. Every other panic
+/// is printed as before.
 fn quiet_out_of_memory_panics() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            if !payload_text(info.payload()).is_some_and(is_out_of_memory) {
+            let text = payload_text(info.payload());
+            let mut seen = recorded();
+            if let Some(text) = text.filter(|t| is_out_of_memory(t)) {
+                seen.get_or_insert_with(|| reason_line(text));
+            } else if seen.is_none() {
+                drop(seen);
                 previous(info);
             }
         }));
     });
+}
+
+/// The line of a panic message that says what ran out, with the size in GB where it gives one.
+fn reason_line(text: &str) -> String {
+    let line = text
+        .lines()
+        .map(str::trim)
+        .find(|l| is_out_of_memory(l))
+        .unwrap_or(text);
+    let bytes = line
+        .rsplit(|c: char| !c.is_ascii_digit())
+        .find(|w| w.len() >= 7)
+        .and_then(|w| w.parse::<u64>().ok());
+    match bytes {
+        Some(b) => format!("{line} ({:.1} GB)", b as f64 / 1e9),
+        None => line.to_string(),
+    }
 }
 
 /// Runs `f` (the phase `phase` of the run); a panic of the runtime running out of memory
@@ -73,30 +117,36 @@ pub fn guard<T>(
     f: impl FnOnce() -> anyhow::Result<T>,
 ) -> anyhow::Result<T> {
     quiet_out_of_memory_panics();
+    recorded().take();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(result) => result,
-        Err(payload) => match payload_text(payload.as_ref()) {
-            Some(text) if is_out_of_memory(text) => {
-                let reason = text
-                    .lines()
-                    .map(str::trim)
-                    .find(|l| is_out_of_memory(l))
-                    .unwrap_or(text)
-                    .to_string();
-                Err(OutOfMemory {
-                    phase: phase.to_string(),
-                    // the runtime may be unusable now: asking it must not panic again
-                    pool: catch_unwind(AssertUnwindSafe(pool))
+        Err(payload) => {
+            let text = payload_text(payload.as_ref()).filter(|t| is_out_of_memory(t));
+            // an allocation that failed on another thread (the runtime's server) first
+            let elsewhere = recorded().clone();
+            let reason = match (text, elsewhere) {
+                (Some(text), _) => reason_line(text),
+                (None, Some(reason)) => reason,
+                (None, None) => resume_unwind(payload),
+            };
+            Err(OutOfMemory {
+                phase: phase.to_string(),
+                // the runtime may be unusable now: asking it must not panic again, and once
+                // its server thread is gone it is not asked at all
+                pool: if text.is_some() {
+                    catch_unwind(AssertUnwindSafe(pool))
                         .ok()
                         .flatten()
                         .map(|p| format!(" ({p})"))
-                        .unwrap_or_default(),
-                    reason,
-                }
-                .into())
+                        .unwrap_or_default()
+                } else {
+                    String::new()
+                },
+                reason,
+                runtime_lost: text.is_none(),
             }
-            _ => resume_unwind(payload),
-        },
+            .into())
+        }
     }
 }
 
@@ -104,8 +154,15 @@ pub fn guard<T>(
 mod tests {
     use super::*;
 
+    /// The record is one per process: the tests take turns.
+    fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        static TURN: Mutex<()> = Mutex::new(());
+        TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     #[test]
     fn an_out_of_memory_panic_becomes_an_error_that_says_what_to_change() {
+        let _turn = one_at_a_time();
         let e = guard(
             "training step 3",
             || Some("9.8 GB in use, 10.0 GB reserved".into()),
@@ -132,7 +189,40 @@ mod tests {
     }
 
     #[test]
+    fn an_allocation_that_failed_on_another_thread_names_the_size() {
+        let _turn = one_at_a_time();
+        let e = guard(
+            "training step 0",
+            || panic!("the runtime is not asked once its server is gone"),
+            || -> anyhow::Result<()> {
+                // cubecl-cuda's server thread dies on the allocation ...
+                let server = std::thread::spawn(|| {
+                    panic!(
+                        "called `Result::unwrap()` on an `Err` value: can't allocate buffer of \
+                         size: 21254373376"
+                    )
+                });
+                assert!(server.join().is_err());
+                // ... and the caller meets a dead channel
+                panic!("Can't execute the autotune plan for key: ... CallError")
+            },
+        )
+        .unwrap_err();
+        let m = e.to_string();
+        for w in [
+            "out of device memory in training step 0",
+            "can't allocate buffer of size: 21254373376 (21.3 GB)",
+            "optim.grad_accum",
+        ] {
+            assert!(m.contains(w), "`{w}` not in: {m}");
+        }
+        assert!(!m.contains("autotune"), "{m}");
+        assert!(e.downcast_ref::<OutOfMemory>().unwrap().runtime_lost);
+    }
+
+    #[test]
     fn other_panics_and_errors_pass_through() {
+        let _turn = one_at_a_time();
         let r = catch_unwind(|| {
             guard(
                 "x",
