@@ -628,6 +628,8 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
                         decode,
                         warps_per_sm: 12,
                         min_m: 1,
+                        // the chosen tiles also under 32 warps a cube (64 registers a thread)
+                        warps_per_cube: if t.is_none() { 32 } else { 4 },
                     });
                     let _s = SplitGuard::force(splits);
                     let what = format!(
