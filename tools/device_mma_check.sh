@@ -8,7 +8,7 @@
 # stripped) in .device/kernels.
 # There: bash tools/device_mma_check.sh   (carry .device/qerl-mma.tar.gz, .device/kernels)
 # Env: TESTS (1: run the kernel tests), TEST_FILTERS, VARIANTS ("name:ENV=v,ENV=v ..."; "off"
-# is QERL_MMA=off), BATCHES (16,64), NEW_TOKENS (128), PRECISIONS (nvfp4), ROLLOUT_T (150).
+# is QERL_MMA=off; CHECK=1 among a variant's settings keeps the check), BATCHES (16,64), NEW_TOKENS (128), PRECISIONS (nvfp4), ROLLOUT_T (150).
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -32,11 +32,14 @@ for v in ${VARIANTS:-off on bits:QERL_MMA_DECODE=bits}; do
     on) ;;
     *:*) IFS=, read -ra envs <<< "${v#*:}" ;;
   esac
+  # CHECK=1 among a variant's settings runs the benchmark's check against the host reference
+  check=--no-check
+  for e in "${envs[@]}"; do [ "$e" = CHECK=1 ] && check=; done
   start=$SECONDS
   echo "== rollout $name (${envs[*]:-defaults})"
   env "${envs[@]}" timeout -k 10 ${ROLLOUT_T:-150} /tmp/qm/qerl bench rollout --shape qwen2.5-7b \
     --precision ${PRECISIONS:-nvfp4} --batch ${BATCHES:-16,64} --prompt 256 \
-    --new-tokens ${NEW_TOKENS:-128} --no-check --json "$OUT/rollout-$name.jsonl" 2>&1 |
+    --new-tokens ${NEW_TOKENS:-128} $check --json "$OUT/rollout-$name.jsonl" 2>&1 |
     grep -vE "^qwen" | tail -${TAIL:-5}
   echo "rollout $name: $((SECONDS - start)) s"
 done

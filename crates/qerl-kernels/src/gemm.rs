@@ -23,7 +23,7 @@ use cubecl::server::Handle;
 
 pub use crate::gemm_mma::{
     launches as mma_launches, options as mma_options, set_options as set_mma_options, MmaDecode,
-    MmaOptions,
+    MmaOptions, DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM,
 };
 pub use crate::gemv::{set_decode_max_m, DEFAULT_DECODE_MAX_M};
 pub use crate::splitk::force_splits;

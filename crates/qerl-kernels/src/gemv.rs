@@ -22,8 +22,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Weight rows (output columns) per plane.
 const ROWS: usize = 4;
-/// Chunks (16 bytes of codes) per row a unit loads before computing.
-const UNROLL: usize = 2;
+/// Chunks (16 bytes of codes) per row a unit loads before computing. On an H100 (2026-11-27,
+/// 7B decode at batch 1) 1 gave 5.34 ms a step, 2 gave 5.54-5.56 and 4 gave 6.38: the
+/// fewer registers a unit holds, the more warps run.
+const UNROLL: usize = 1;
 
 /// Chunks per row in flight: [`UNROLL`], or `QERL_GEMV_UNROLL` (1 to 8) for experiments.
 fn unroll() -> usize {

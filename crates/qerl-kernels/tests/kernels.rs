@@ -626,10 +626,10 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
                         enabled: true,
                         tiles: t,
                         decode,
-                        warps_per_sm: 12,
+                        warps_per_sm: gemm::MMA_DEFAULT_WARPS_PER_SM,
                         min_m: 1,
-                        // the chosen tiles also under 32 warps a cube (64 registers a thread)
-                        warps_per_cube: if t.is_none() { 32 } else { 4 },
+                        // 2x4 tiles also under 32 warps a cube (64 registers a thread)
+                        warps_per_cube: if t == Some((2, 4)) { 32 } else { 4 },
                     });
                     let _s = SplitGuard::force(splits);
                     let what = format!(

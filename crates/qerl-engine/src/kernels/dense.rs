@@ -20,7 +20,20 @@ const UNROLL: usize = 4;
 pub const MAX_ROWS: usize = 8;
 /// Below this many output columns (LoRA down-projections: a few times the rank), each column
 /// gets a whole cube so that the reduction is spread over enough units to fill the device.
+/// Each such cube reads its rows of `X` again (48 times for q/k/v at rank 16): at 64 rows
+/// that traffic, not the weights, sets the time. `QERL_DENSE_FEW_COLUMNS` (read once) moves
+/// the threshold, 0 giving every product 8 columns a cube.
 const FEW_COLUMNS: usize = 512;
+
+fn few_columns() -> usize {
+    static FEW: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *FEW.get_or_init(|| {
+        std::env::var("QERL_DENSE_FEW_COLUMNS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(FEW_COLUMNS)
+    })
+}
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -195,7 +208,7 @@ pub fn dense<R: Runtime, F: Float, O: Float>(
         Some((t, b, r, s)) => (t.clone(), b.clone(), r, s),
         None => (unused.clone(), unused.clone(), 0, 0.0),
     };
-    let cols = if segments * n < FEW_COLUMNS { 1 } else { 8 };
+    let cols = if segments * n < few_columns() { 1 } else { 8 };
     let count = CubeCount::Static(
         (segments * n).div_ceil(cols) as u32,
         m.div_ceil(mr) as u32,

@@ -33,13 +33,29 @@ pub struct MmaOptions {
     /// How E2M1 codes become `F` (`QERL_MMA_DECODE=auto|table|bits|pairs`).
     pub decode: MmaDecode,
     /// Warps a multiprocessor should hold before the reduction is split
-    /// (`QERL_MMA_WARPS_PER_SM`, default 12).
+    /// (`QERL_MMA_WARPS_PER_SM`); 0, the default ([`DEFAULT_WARPS_PER_SM`]), picks by M:
+    /// 12 up to 8 rows, 24 above.
     pub warps_per_sm: usize,
     /// Fewest rows this kernel takes ahead of the decode kernel (`QERL_MMA_MIN_M`, default
     /// [`DEFAULT_MIN_M`]); below it, up to 8 rows go to [`crate::gemv`].
     pub min_m: usize,
     /// Warps per cube, 1 to 32 (`QERL_MMA_WARPS`, default [`DEFAULT_WARPS_PER_CUBE`]).
     pub warps_per_cube: usize,
+}
+
+/// The split-K target by default: 0, by M ([`split_target`]).
+pub const DEFAULT_WARPS_PER_SM: usize = 0;
+
+/// Warps a multiprocessor should hold before the reduction is split, for `m` rows. On an H100
+/// (2026-11-27, 7B decode) 24 beat 8, 12 and 16 above 8 rows by 2-5% (64 rows: 14.38-14.47
+/// ms a step against 15.05 / 15.0-15.24 / 15.89), while at 4 and 8 rows 12 did best (6.84-7.26
+/// and 7.61-7.74 ms against 8.15 and 8.04 with 24).
+fn split_target(m: usize, o: &MmaOptions) -> usize {
+    match o.warps_per_sm {
+        0 if m <= 8 => 12,
+        0 => 24,
+        w => w,
+    }
 }
 
 /// Fewest rows sent to this kernel by default.
@@ -64,8 +80,8 @@ impl MmaOptions {
             },
             warps_per_sm: var("QERL_MMA_WARPS_PER_SM")
                 .and_then(|v| v.parse().ok())
-                .filter(|w| (1..=64).contains(w))
-                .unwrap_or(12),
+                .filter(|w| (0..=64).contains(w))
+                .unwrap_or(DEFAULT_WARPS_PER_SM),
             min_m: var("QERL_MMA_MIN_M")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(DEFAULT_MIN_M),
@@ -86,9 +102,10 @@ pub enum MmaDecode {
     Bits,
     /// 256-entry table of code pairs, one pair multiply by the scale.
     Pairs,
-    /// The default: bit placement above 32 rows in bf16 (with 2x4 warp tiles: 15.05-15.20 ms
-    /// against 15.92-16.15 for the pair table with 2x8 at batch 64, three H100 calls,
-    /// 2026-11-26/27), the pair table otherwise.
+    /// The default: bit placement above 8 rows in bf16 (with 2xM warp tiles; at batch 64
+    /// 15.0-15.2 ms a decode step against 15.9-16.2 for the pair table with 2x8 tiles in four
+    /// H100 calls, at 16 and 32 rows 4% faster than the pair table with 4x2 and 4x4 tiles,
+    /// 2026-11-26/27), the pair table up to 8 rows.
     Auto,
 }
 
@@ -100,7 +117,7 @@ impl MmaDecode {
     /// The decoding `Auto` stands for at `m` rows.
     fn resolve(self, m: usize) -> MmaDecode {
         match self {
-            MmaDecode::Auto if m > 32 => MmaDecode::Bits,
+            MmaDecode::Auto if m > 8 => MmaDecode::Bits,
             MmaDecode::Auto => MmaDecode::Pairs,
             d => d,
         }
@@ -157,17 +174,18 @@ pub(crate) fn applies<R: Runtime, F: Float>(
         && crate::device::has_f32_mma::<R, F>(client, (16, 8, 16), false)
 }
 
-/// `(r_tiles, m_tiles)` for `m` rows: every token of a warp's weight rows in one warp up to
-/// 32 rows; above, 4 token tiles of 2 weight tiles (two warps cover 64 tokens: at batch 64 with
-/// the bit-placement decoding 5-7% faster than 2x8 on an H100).
+/// `(r_tiles, m_tiles)` for `m` rows: up to 8 rows, 4 weight tiles of one token tile; above,
+/// 2 weight tiles of 2 or 4 token tiles (at 64 rows two warps cover the tokens). Measured on an
+/// H100 with the decoding [`MmaDecode::Auto`] picks (docs/benchmarks/rollout.md, session 10):
+/// 2x2 at 16 rows 8.27 ms a step (4x2 8.48), 2x4 at 32 rows 9.86 (4x4 10.45), 2x4 at 64
+/// rows 14.97 (2x8 16.45, 4x4 15.64).
 fn pick_tiles(m: usize, o: &MmaOptions) -> (usize, usize) {
     if let Some(t) = o.tiles {
         return t;
     }
     match m {
         0..=8 => (4, 1),
-        9..=16 => (4, 2),
-        17..=32 => (4, 4),
+        9..=16 => (2, 2),
         _ => (2, 4),
     }
 }
@@ -189,7 +207,7 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     let (n, k) = (weight.n, weight.k);
     let row_groups = n.div_ceil(16 * r_tiles);
     let m_groups = m.div_ceil(8 * m_tiles);
-    let target = o.warps_per_sm * splitk::multiprocessors(client);
+    let target = split_target(m, &o) * splitk::multiprocessors(client);
     let (splits, per) = splitk::plan(row_groups * m_groups, k / CHUNK, target, MIN_SPLIT_CHUNKS);
     let geometry = Geometry {
         m,

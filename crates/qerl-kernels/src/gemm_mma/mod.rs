@@ -34,7 +34,7 @@
 mod launch;
 
 pub(crate) use launch::{applies, launch};
-pub use launch::{launches, options, set_options, MmaDecode, MmaOptions};
+pub use launch::{launches, options, set_options, MmaDecode, MmaOptions, DEFAULT_WARPS_PER_SM};
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
