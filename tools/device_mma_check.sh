@@ -6,7 +6,8 @@
 # Here: the release `qerl` (--features cuda) in .device/qerl-mma.tar.gz and the kernel test binary
 # (`cargo test --release -p qerl-kernels --features cuda --test kernels --no-run`, copied and
 # stripped) in .device/kernels.
-# There: bash tools/device_mma_check.sh   (carry .device/qerl-mma.tar.gz, .device/kernels)
+# There: bash tools/device_mma_check.sh   (carry .device/qerl-mma.tar.gz, .device/kernels; QERL_TAR
+# names another tarball of the binary)
 # Env: TESTS (1: run the kernel tests), TEST_FILTERS, VARIANTS ("name:ENV=v,ENV=v ..."; "off"
 # is QERL_MMA=off; CHECK=1 among a variant's settings keeps the check), BATCHES (16,64), NEW_TOKENS (128), PRECISIONS (nvfp4), ROLLOUT_T (150).
 set -uo pipefail
