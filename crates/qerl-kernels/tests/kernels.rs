@@ -342,21 +342,29 @@ fn strategies<R: Runtime, F: Float>(c: &ComputeClient<R>) -> Vec<gemm::Strategy>
     all
 }
 
-/// Restores the strategy in force before when a test ends, even by a panic.
-struct StrategyGuard(gemm::Strategy);
+/// Sets a process-wide kernel setting and restores the one in force before when a test ends,
+/// even by a panic.
+struct Restore<T: Copy> {
+    before: T,
+    set: fn(T),
+}
 
-impl StrategyGuard {
-    fn set(s: gemm::Strategy) -> StrategyGuard {
-        let before = gemm::strategy().expect("QERL_GEMM");
-        gemm::set_strategy(s);
-        StrategyGuard(before)
+impl<T: Copy> Restore<T> {
+    fn set(value: T, before: T, set: fn(T)) -> Restore<T> {
+        set(value);
+        Restore { before, set }
     }
 }
 
-impl Drop for StrategyGuard {
+impl<T: Copy> Drop for Restore<T> {
     fn drop(&mut self) {
-        gemm::set_strategy(self.0);
+        (self.set)(self.before);
     }
+}
+
+/// The GEMM strategy `s` while alive.
+fn strategy_guard(s: gemm::Strategy) -> Restore<gemm::Strategy> {
+    Restore::set(s, gemm::strategy().expect("QERL_GEMM"), gemm::set_strategy)
 }
 
 /// Products the tensor cores serve (M > 8), through every strategy: each tile configuration
@@ -418,7 +426,7 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
         let want_bias = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), None);
         let want_lora = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), Some(&lref));
         for strategy in strategies::<R, F>(&c) {
-            let _s = StrategyGuard::set(strategy);
+            let _s = strategy_guard(strategy);
             let what = format!("{strategy:?} {format} M={m} N={n} K={k}");
 
             let y = poisoned::<R, F>(&c, m * n);
@@ -547,21 +555,9 @@ fn has_cmma<R: Runtime, F: Float>(c: &ComputeClient<R>) -> bool {
     ok
 }
 
-/// Restores the decode-batch `mma` kernel's options when a test ends, even by a panic.
-struct MmaGuard(gemm::MmaOptions);
-
-impl MmaGuard {
-    fn set(o: gemm::MmaOptions) -> MmaGuard {
-        let before = gemm::mma_options();
-        gemm::set_mma_options(o);
-        MmaGuard(before)
-    }
-}
-
-impl Drop for MmaGuard {
-    fn drop(&mut self) {
-        gemm::set_mma_options(self.0);
-    }
+/// The decode-batch `mma` kernel's options `o` while alive.
+fn mma_guard(o: gemm::MmaOptions) -> Restore<gemm::MmaOptions> {
+    Restore::set(o, gemm::mma_options(), gemm::set_mma_options)
 }
 
 /// The decode-batch `mma` kernel (CUDA, 1 to 64 rows of an NVFP4/MXFP4 weight with K a multiple
@@ -622,7 +618,7 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
             }
             for t in tiles {
                 for splits in [None, Some(1), Some(3)] {
-                    let _m = MmaGuard::set(gemm::MmaOptions {
+                    let _m = mma_guard(gemm::MmaOptions {
                         enabled: true,
                         tiles: t,
                         decode,
