@@ -8,12 +8,14 @@
 # stripped) in .device/kernels.
 # There: bash tools/device_mma_check.sh   (carry .device/qerl-mma.tar.gz, .device/kernels; QERL_TAR
 # names another tarball of the binary)
-# Env: TESTS (1: run the kernel tests), TEST_FILTERS, VARIANTS ("name:ENV=v,ENV=v ..."; "off"
-# is QERL_MMA=off; CHECK=1 among a variant's settings keeps the check), BATCHES (16,64), NEW_TOKENS (128), PRECISIONS (nvfp4), ROLLOUT_T (150).
+# Env: TESTS (1: run the kernel tests), TEST_FILTERS, STRESS (1: .device/strategy_stress too), VARIANTS ("name:ENV=v,ENV=v ..."; "off"
+# is QERL_MMA=off; CHECK=1 among a variant's settings keeps the check, PREC=a+b sets its precisions), BATCHES (16,64), NEW_TOKENS (128), PRECISIONS (nvfp4), ROLLOUT_T (150).
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source tools/device_cache.sh
+# libcublas for the cuBLAS strategy (QERL_GEMM, and Strategy::Auto from QERL_CUBLAS_MIN_M rows)
+source tools/device_cuda_libs.sh
 mkdir -p /tmp/qm && tar -xzf "${QERL_TAR:-.device/qerl-mma.tar.gz}" -C /tmp/qm
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
 if [ "${TESTS:-1}" = 1 ] && [ -x .device/kernels ]; then
@@ -25,6 +27,15 @@ if [ "${TESTS:-1}" = 1 ] && [ -x .device/kernels ]; then
     echo "tests $f: $((SECONDS - start)) s"
   done
 fi
+# STRESS=1: the strategy stress test (.device/strategy_stress, bf16: every strategy, chains of
+# products back to back against the f64 reference)
+if [ "${STRESS:-0}" = 1 ] && [ -x .device/strategy_stress ]; then
+  start=$SECONDS
+  echo "== strategy stress (CUDA bf16)"
+  timeout -k 10 ${TEST_T:-240} .device/strategy_stress --ignored --test-threads=1 cuda_bf16 2>&1 |
+    grep -E "^test |test result|panicked|assert|error|seed" | head -30
+  echo "stress: $((SECONDS - start)) s"
+fi
 for v in ${VARIANTS:-off on bits:QERL_MMA_DECODE=bits}; do
   name=${v%%:*}
   envs=()
@@ -34,12 +45,17 @@ for v in ${VARIANTS:-off on bits:QERL_MMA_DECODE=bits}; do
     *:*) IFS=, read -ra envs <<< "${v#*:}" ;;
   esac
   # CHECK=1 among a variant's settings runs the benchmark's check against the host reference
+  # PREC=nvfp4+bf16 among them sets this variant's precisions
   check=--no-check
-  for e in "${envs[@]}"; do [ "$e" = CHECK=1 ] && check=; done
+  prec=${PRECISIONS:-nvfp4}
+  for e in "${envs[@]}"; do
+    [ "$e" = CHECK=1 ] && check=
+    case $e in PREC=*) prec=${e#PREC=}; prec=${prec//+/,} ;; esac
+  done
   start=$SECONDS
   echo "== rollout $name (${envs[*]:-defaults})"
   env "${envs[@]}" timeout -k 10 ${ROLLOUT_T:-150} /tmp/qm/qerl bench rollout --shape qwen2.5-7b \
-    --precision ${PRECISIONS:-nvfp4} --batch ${BATCHES:-16,64} --prompt 256 \
+    --precision $prec --batch ${BATCHES:-16,64} --prompt 256 \
     --new-tokens ${NEW_TOKENS:-128} $check --json "$OUT/rollout-$name.jsonl" 2>&1 |
     grep -vE "^qwen" | tail -${TAIL:-5}
   echo "rollout $name: $((SECONDS - start)) s"

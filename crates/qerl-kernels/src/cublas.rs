@@ -238,9 +238,15 @@ fn launch_all(
     Ok(())
 }
 
-/// `Y[M, N] = X · deq(W)ᵀ (+ bias) (+ s·T·Bᵀ)`: `W` decoded into a reused dense buffer, bias
-/// and LoRA folded in as extra columns ([`crate::dense`]), one cuBLAS product. `lora` is
-/// `(T [M, r] f32, B [N, r] F, r, s)`; the caller has checked every buffer's size.
+/// `Y[M, N] = X · deq(W)ᵀ (+ bias) (+ s·T·Bᵀ)`: `W` decoded into a dense buffer, bias and LoRA
+/// folded in as extra columns ([`crate::dense`]). `lora` is `(T [M, r] f32, B [N, r] F, r, s)`;
+/// the caller has checked every buffer's size.
+///
+/// Where `K <= N` (q/k/v, gate/up) the extra columns widen both operands and one GEMM runs over
+/// `K + r + 1`: copying `X` costs less than a second pass over the wider `Y`. Where `K > N`
+/// (o, down) the copy of `X` would cost more, and hold `M·K` more elements (3 GB for a 7B
+/// down-projection at 80k rows), so the plain product runs first and a second GEMM over the
+/// extra columns alone adds to `Y` (`beta = 1`).
 pub(crate) fn forward<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -252,40 +258,49 @@ pub(crate) fn forward<R: Runtime, F: Float>(
 ) -> Result<(), KernelError> {
     let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
     let (n, k) = (weight.n, weight.k);
-    let widened = lora.is_some() || bias.is_some();
-    let ld = match widened {
-        true => dense::widened_ld(k, lora.map_or(0, |l| l.2), bias.is_some()),
-        false => k,
-    };
+    let rank = lora.map_or(0, |l| l.2);
     let size = std::mem::size_of::<F>();
-    let w = client.empty(n * ld * size);
-    dense::dequantize_rows::<R, F>(client, weight, &w, ld)?;
-    let xw;
-    let x_op = if widened {
-        let (bias_w, bias_x) = match bias {
-            Some(b) => (ExtraColumn::PerRow(b), ExtraColumn::Ones),
-            None => (ExtraColumn::None, ExtraColumn::None),
-        };
-        let tail_w = lora.map(|(_, b, r, _)| (b, r, 1.0));
-        dense::widen::<R, F, F>(client, None, tail_w, bias_w, &w, n, k, ld)?;
-        xw = client.empty(m * ld * size);
-        let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
-        dense::widen::<R, F, f32>(client, Some(x), tail_x, bias_x, &xw, m, k, ld)?;
-        &xw
-    } else {
-        x
+    let (bias_w, bias_x) = match bias {
+        Some(b) => (ExtraColumn::PerRow(b), ExtraColumn::Ones),
+        None => (ExtraColumn::None, ExtraColumn::None),
     };
-    let gemm = Gemm {
+    let tail_w = lora.map(|(_, b, r, _)| (b, r, 1.0));
+    let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
+    let gemm = |ld: usize, a, b, beta| Gemm {
         shape: BlasShape::forward(m, n, ld),
-        a: &w,
-        b: x_op,
+        a,
+        b,
         c: y,
         ab_type: ty,
         c_type: ty,
         alpha: 1.0,
-        beta: 0.0,
+        beta,
     };
-    run(client, &[gemm])
+    if lora.is_none() && bias.is_none() {
+        let w = client.empty(n * k * size);
+        dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
+        return run(client, &[gemm(k, &w, x, 0.0)]);
+    }
+    if k > n {
+        let w = client.empty(n * k * size);
+        dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
+        let ld = dense::widened_ld(0, rank, bias.is_some());
+        let extra_w = client.empty(n * ld * size);
+        dense::widen::<R, F, F>(client, None, tail_w, bias_w, &extra_w, n, 0, ld)?;
+        let extra_x = client.empty(m * ld * size);
+        dense::widen::<R, F, f32>(client, None, tail_x, bias_x, &extra_x, m, 0, ld)?;
+        return run(
+            client,
+            &[gemm(k, &w, x, 0.0), gemm(ld, &extra_w, &extra_x, 1.0)],
+        );
+    }
+    let ld = dense::widened_ld(k, rank, bias.is_some());
+    let w = client.empty(n * ld * size);
+    dense::dequantize_rows::<R, F>(client, weight, &w, ld)?;
+    dense::widen::<R, F, F>(client, None, tail_w, bias_w, &w, n, k, ld)?;
+    let xw = client.empty(m * ld * size);
+    dense::widen::<R, F, f32>(client, Some(x), tail_x, bias_x, &xw, m, k, ld)?;
+    run(client, &[gemm(ld, &w, &xw, 0.0)])
 }
 
 /// `dX[M, K] = dY[M, N] · deq(W)[N, K]` through a dense `W` and cuBLAS.

@@ -10,7 +10,9 @@
 //!
 //! so the whole forward of a LoRA linear is one GEMM over `K + r + 1` instead of a GEMM and an
 //! epilogue pass over `Y` (which would read and write `M·N` elements again: ~13% of a 7B
-//! gate_up product at M = 4096). The padding columns are written as zeros on both sides, so
+//! gate_up product at M = 4096). Where `K > N` the copy of `X` costs more than that pass, so
+//! the cuBLAS forward widens only the two small operands (`K = 0`: `[s·T | 1 | 0..]` and
+//! `[B | bias | 0..]`) and adds their product to `Y` in a second GEMM. The padding columns are written as zeros on both sides, so
 //! nothing left in a reused buffer can reach the product. `s·T` is rounded to `F` here (the
 //! fused kernels keep `T` in f32), a relative 2⁻⁹ on a term that is itself small next to `Y`.
 //!

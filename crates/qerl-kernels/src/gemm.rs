@@ -23,11 +23,15 @@ use cubecl::server::Handle;
 
 pub use crate::gemm_mma::{
     launches as mma_launches, options as mma_options, set_options as set_mma_options, MmaDecode,
-    MmaOptions, DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM,
+    MmaOptions, DEFAULT_MAX_M as MMA_DEFAULT_MAX_M,
+    DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM, MAX_M_LIMIT as MMA_MAX_M_LIMIT,
 };
 pub use crate::gemv::{set_decode_max_m, DEFAULT_DECODE_MAX_M};
 pub use crate::splitk::force_splits;
-pub use crate::tune::{cublas_usable, set_strategy, strategy, Strategy, TileConfig, STRATEGY_ENV};
+pub use crate::tune::{
+    cublas_min_m, cublas_usable, set_strategy, strategy, Strategy, TileConfig,
+    DEFAULT_CUBLAS_MIN_M, STRATEGY_ENV,
+};
 
 /// Output rows (M) per cube.
 const TILE_M: usize = 32;
@@ -410,14 +414,14 @@ pub fn lora_down<R: Runtime, F: Float>(
 }
 
 /// Whether the decode-batch mma kernel takes `m` rows of `weight`: only under the default
-/// strategy (the others choose their own products).
+/// strategy and the tensor-core one (the others choose their own products).
 fn mma_applies<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     m: usize,
     weight: &DeviceWeight,
     lora_rank: Option<usize>,
 ) -> bool {
-    matches!(strategy(), Ok(Strategy::TensorCores))
+    matches!(strategy(), Ok(Strategy::Auto | Strategy::TensorCores))
         && crate::gemm_mma::applies::<R, F>(client, m, weight, lora_rank)
 }
 

@@ -5,9 +5,9 @@
 //!   applied in the epilogue (for M <= 8, or 16 without tensor cores, on devices with warp operations, a memory-bound
 //!   decode kernel, `gemv`; split-K where the output alone would not fill the device); and the
 //!   backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`. Above the decode kernel's rows the
-//!   [`gemm::Strategy`] decides: the tensor-core kernel (default), CubeCL's autotuner over its tile
-//!   configurations and dequantize + cuBLAS ([`dense`] operands, the CUDA-only `cublas` module),
-//!   or cuBLAS alone (`QERL_GEMM`).
+//!   [`gemm::Strategy`] decides: by default the `mma` kernel for decode batches, the tensor-core
+//!   kernel, and dequantize + cuBLAS ([`dense`] operands, the CUDA-only `cublas` module) from
+//!   [`gemm::cublas_min_m`] rows; or one of them alone, or CubeCL's autotuner (`QERL_GEMM`).
 //! * [`attention`]: fused causal attention with per-row key ranges (padding) and grouped-query
 //!   heads, forward (saving the log-sum-exp per query) and backward, flash-attention style.
 //! * [`rms_norm`]: fused noisy RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ (w + z)`, forward and backward.

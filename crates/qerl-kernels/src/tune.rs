@@ -32,9 +32,13 @@ use crate::gemm_tc::{self, TcEpilogue, TcProduct, Tiles};
 /// How a product above the decode kernel's rows runs where the tensor cores apply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Strategy {
+    /// The default: by rows, with no tuning pass. Up to the `mma` kernel's rows that kernel
+    /// ([`crate::gemm_mma`]), then the tensor-core kernel, and from [`cublas_min_m`] rows
+    /// dequantize + cuBLAS where it runs (CUDA, bf16/f16, libcublas present).
+    Auto,
     /// The autotuner's choice.
     Tuned,
-    /// The tensor-core kernel, tiles picked by cube count (no tuning; the default).
+    /// The tensor-core kernel, tiles picked by cube count (no tuning).
     TensorCores,
     /// The tensor-core kernel with one tile configuration.
     TensorCoresTiles(TileConfig),
@@ -75,9 +79,24 @@ impl TileConfig {
     }
 }
 
-/// The environment variable that picks the strategy of a process: `tc` (the default),
+/// The environment variable that picks the strategy of a process: `auto` (the default), `tc`,
 /// `tuned` or `cublas`.
 pub const STRATEGY_ENV: &str = "QERL_GEMM";
+
+/// Fewest rows [`Strategy::Auto`] sends to dequantize + cuBLAS.
+pub const DEFAULT_CUBLAS_MIN_M: usize = 256;
+
+/// Fewest rows [`Strategy::Auto`] sends to dequantize + cuBLAS: `QERL_CUBLAS_MIN_M`, read once,
+/// else [`DEFAULT_CUBLAS_MIN_M`].
+pub fn cublas_min_m() -> usize {
+    static MIN_M: OnceLock<usize> = OnceLock::new();
+    *MIN_M.get_or_init(|| {
+        std::env::var("QERL_CUBLAS_MIN_M")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_CUBLAS_MIN_M)
+    })
+}
 
 const UNSET: u8 = u8::MAX;
 static STRATEGY: AtomicU8 = AtomicU8::new(UNSET);
@@ -90,19 +109,20 @@ pub fn set_strategy(strategy: Strategy) {
         Strategy::TensorCores => 1,
         Strategy::Cublas => 2,
         Strategy::TensorCoresTiles(t) => 3 + t as u8,
+        Strategy::Auto => 6,
     };
     STRATEGY.store(v, Ordering::Relaxed);
 }
 
 /// The strategy in force: the last [`set_strategy`], else [`STRATEGY_ENV`], else
-/// [`Strategy::TensorCores`], the one measured and checked on an H100 so far (the tuner and
-/// the cuBLAS path are opt-in until they have been: docs/benchmarks/kernels.md).
+/// [`Strategy::Auto`].
 pub fn strategy() -> Result<Strategy, KernelError> {
     Ok(match STRATEGY.load(Ordering::Relaxed) {
         0 => Strategy::Tuned,
         1 => Strategy::TensorCores,
         2 => Strategy::Cublas,
         v @ 3..=5 => Strategy::TensorCoresTiles(TileConfig::ALL[(v - 3) as usize]),
+        6 => Strategy::Auto,
         _ => {
             let s = parse_strategy(std::env::var(STRATEGY_ENV).as_deref().unwrap_or(""))?;
             set_strategy(s);
@@ -114,12 +134,13 @@ pub fn strategy() -> Result<Strategy, KernelError> {
 /// The value of [`STRATEGY_ENV`] (empty: the default).
 fn parse_strategy(value: &str) -> Result<Strategy, KernelError> {
     match value {
-        "" | "tc" => Ok(Strategy::TensorCores),
+        "" | "auto" => Ok(Strategy::Auto),
+        "tc" => Ok(Strategy::TensorCores),
         "tuned" => Ok(Strategy::Tuned),
         "cublas" => Ok(Strategy::Cublas),
         other => Err(KernelError::Shape {
             kernel: "matmul",
-            what: format!("{STRATEGY_ENV}={other}: expected tc, tuned or cublas"),
+            what: format!("{STRATEGY_ENV}={other}: expected auto, tc, tuned or cublas"),
         }),
     }
 }
@@ -234,7 +255,10 @@ fn cublas<R: Runtime, F: Float>(_: &Product<R>) -> Result<(), KernelError> {
 /// Runs a product on which the tensor cores apply, by the current [`Strategy`].
 pub(crate) fn run<R: Runtime, F: Float>(p: Product<R>) -> Result<(), KernelError> {
     match strategy()? {
-        Strategy::TensorCores => {
+        Strategy::Auto if p.m >= cublas_min_m() && cublas_usable::<R, F>(&p.client) => {
+            cublas::<R, F>(&p)
+        }
+        Strategy::Auto | Strategy::TensorCores => {
             tensor_cores::<R, F>(&p, None);
             Ok(())
         }
@@ -307,7 +331,8 @@ mod tests {
 
     #[test]
     fn strategy_env_values() {
-        assert_eq!(parse_strategy("").unwrap(), Strategy::TensorCores);
+        assert_eq!(parse_strategy("").unwrap(), Strategy::Auto);
+        assert_eq!(parse_strategy("auto").unwrap(), Strategy::Auto);
         assert_eq!(parse_strategy("tc").unwrap(), Strategy::TensorCores);
         assert_eq!(parse_strategy("tuned").unwrap(), Strategy::Tuned);
         assert_eq!(parse_strategy("cublas").unwrap(), Strategy::Cublas);
@@ -320,13 +345,18 @@ mod tests {
 
     #[test]
     fn every_strategy_round_trips_through_the_switch() {
-        let all = [Strategy::Tuned, Strategy::TensorCores, Strategy::Cublas]
-            .into_iter()
-            .chain(TileConfig::ALL.map(Strategy::TensorCoresTiles));
+        let all = [
+            Strategy::Auto,
+            Strategy::Tuned,
+            Strategy::TensorCores,
+            Strategy::Cublas,
+        ]
+        .into_iter()
+        .chain(TileConfig::ALL.map(Strategy::TensorCoresTiles));
         for s in all {
             set_strategy(s);
             assert_eq!(strategy().unwrap(), s);
         }
-        set_strategy(Strategy::TensorCores);
+        set_strategy(Strategy::Auto);
     }
 }

@@ -329,7 +329,11 @@ pub fn matmul_transposed<R: Runtime, F: Float + CubeElement>(device: &R::Device,
 /// and dX.
 /// The strategies a product above the decode kernel can take here, each checked alone.
 fn strategies<R: Runtime, F: Float>(c: &ComputeClient<R>) -> Vec<gemm::Strategy> {
-    let mut all = vec![gemm::Strategy::TensorCores, gemm::Strategy::Tuned];
+    let mut all = vec![
+        gemm::Strategy::Auto,
+        gemm::Strategy::TensorCores,
+        gemm::Strategy::Tuned,
+    ];
     all.extend(gemm::TileConfig::ALL.map(gemm::Strategy::TensorCoresTiles));
     if gemm::cublas_usable::<R, F>(c) {
         all.push(gemm::Strategy::Cublas);
@@ -560,7 +564,7 @@ fn mma_guard(o: gemm::MmaOptions) -> Restore<gemm::MmaOptions> {
     Restore::set(o, gemm::mma_options(), gemm::set_mma_options)
 }
 
-/// The decode-batch `mma` kernel (CUDA, 1 to 64 rows of an NVFP4/MXFP4 weight with K a multiple
+/// The decode-batch `mma` kernel (CUDA, 1 to 150 rows of an NVFP4/MXFP4 weight with K a multiple
 /// of 64): rows and tokens that do not fill a tile, every warp tile, every E2M1 decoding (bit
 /// placement on bf16 only), bias, LoRA of rank 16 and of rank 6 (a partial 16-deep step),
 /// unsplit and with K-slices forced and chosen. Checks that the kernel ran.
@@ -582,6 +586,8 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
         (QuantFormat::Mxfp4, 64, 208, 256),
         (QuantFormat::Nvfp4, 64, 512, 3584),
         (QuantFormat::Nvfp4, 40, 1040, 1152),
+        // past 64 rows: token groups along the grid's fastest dimension
+        (QuantFormat::Nvfp4, 150, 96, 192),
     ];
     let tiles = [None, Some((1, 1)), Some((2, 4)), Some((4, 8))];
     let before = gemm::mma_launches();
@@ -626,6 +632,7 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
                         min_m: 1,
                         // 2x4 tiles also under 32 warps a cube (64 registers a thread)
                         warps_per_cube: if t == Some((2, 4)) { 32 } else { 4 },
+                        max_m: 256,
                     });
                     let _s = SplitGuard::force(splits);
                     let what = format!(

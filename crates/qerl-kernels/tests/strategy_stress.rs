@@ -434,7 +434,8 @@ const WITHOUT_CUBLAS_ENV: &str = "QERL_STRESS_WITHOUT_CUBLAS";
 
 /// Every strategy a product above the decode kernel can take on this client for `F`.
 fn strategies<R: Runtime, F: Float>(c: &ComputeClient<R>, gpu: bool) -> Vec<gemm::Strategy> {
-    let mut all = vec![gemm::Strategy::TensorCores];
+    // Auto first: the default, tensor cores below `cublas_min_m` rows and cuBLAS from there.
+    let mut all = vec![gemm::Strategy::Auto, gemm::Strategy::TensorCores];
     all.extend(gemm::TileConfig::ALL.map(gemm::Strategy::TensorCoresTiles));
     if gemm::cublas_usable::<R, F>(c) {
         all.push(gemm::Strategy::Cublas);

@@ -129,7 +129,7 @@ fn a_bad_gemm_strategy_is_named_before_any_work() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("QERL_GEMM=fastest") && err.contains("tc, tuned or cublas"),
+        err.contains("QERL_GEMM=fastest") && err.contains("auto, tc, tuned or cublas"),
         "{err}"
     );
     assert!(

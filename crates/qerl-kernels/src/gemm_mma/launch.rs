@@ -9,8 +9,12 @@ use qerl_format::QuantFormat;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// Most rows (tokens) this kernel takes; larger products go to the tiled kernels.
-pub(crate) const MAX_M: usize = 64;
+/// Most rows (tokens) this kernel takes by default; larger products go to the tiled kernels or
+/// cuBLAS ([`crate::gemm::Strategy::Auto`]).
+pub const DEFAULT_MAX_M: usize = 64;
+
+/// Most rows [`MmaOptions::max_m`] may allow: each 32 more rows decode the weight once more.
+pub const MAX_M_LIMIT: usize = 1024;
 
 /// Warps per cube by default. The cube only shares the two small tables, so this is launch
 /// geometry, except that the CUDA compiler caps a thread's registers at 65536 / (32 x warps)
@@ -41,6 +45,11 @@ pub struct MmaOptions {
     pub min_m: usize,
     /// Warps per cube, 1 to 32 (`QERL_MMA_WARPS`, default [`DEFAULT_WARPS_PER_CUBE`]).
     pub warps_per_cube: usize,
+    /// Most rows this kernel takes (`QERL_MMA_MAX_M`, default [`DEFAULT_MAX_M`], at most
+    /// [`MAX_M_LIMIT`]). Above 64 rows the cubes that share weight rows run next to each other
+    /// (the token groups are the grid's fastest dimension), so the weight comes from L2 after
+    /// the first group.
+    pub max_m: usize,
 }
 
 /// The split-K target by default: 0, by M ([`split_target`]).
@@ -89,6 +98,10 @@ impl MmaOptions {
                 .and_then(|v| v.parse().ok())
                 .filter(|w| (1..=32).contains(w))
                 .unwrap_or(DEFAULT_WARPS_PER_CUBE),
+            max_m: var("QERL_MMA_MAX_M")
+                .and_then(|v| v.parse().ok())
+                .filter(|m| (1..=MAX_M_LIMIT).contains(m))
+                .unwrap_or(DEFAULT_MAX_M),
         }
     }
 }
@@ -146,6 +159,10 @@ pub fn set_options(options: MmaOptions) {
         (1..=32).contains(&options.warps_per_cube),
         "MmaOptions::warps_per_cube: 1 to 32"
     );
+    assert!(
+        (1..=MAX_M_LIMIT).contains(&options.max_m),
+        "MmaOptions::max_m: 1 to {MAX_M_LIMIT}"
+    );
     *OPTIONS.lock().unwrap_or_else(|e| e.into_inner()) = Some(options);
 }
 
@@ -165,7 +182,8 @@ pub(crate) fn applies<R: Runtime, F: Float>(
     weight: &DeviceWeight,
     lora_rank: Option<usize>,
 ) -> bool {
-    if !(options().enabled && m <= MAX_M) {
+    let o = options();
+    if !(o.enabled && m <= o.max_m) {
         return false;
     }
     weight.format != QuantFormat::Nf4
@@ -209,12 +227,19 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     let m_groups = m.div_ceil(8 * m_tiles);
     let target = split_target(m, &o) * splitk::multiprocessors(client);
     let (splits, per) = splitk::plan(row_groups * m_groups, k / CHUNK, target, MIN_SPLIT_CHUNKS);
+    let cubes_n = row_groups.div_ceil(o.warps_per_cube);
+    // Up to 64 rows (at most 2 token groups) the grid stays as measured: weight rows fastest.
+    let m_major = m_groups > 2;
     let geometry = Geometry {
         m,
         r_tiles,
         m_tiles,
         warps: o.warps_per_cube,
-        grid: (row_groups.div_ceil(o.warps_per_cube), m_groups, splits),
+        grid: match m_major {
+            true => (m_groups, cubes_n, splits),
+            false => (cubes_n, m_groups, splits),
+        },
+        m_major,
         per,
         decode: match o.decode.resolve(m) {
             MmaDecode::Table => super::DECODE_TABLE,
@@ -244,6 +269,8 @@ struct Geometry {
     m_tiles: usize,
     warps: usize,
     grid: (usize, usize, usize),
+    /// Token groups along the grid's x (fastest) dimension, weight rows along y.
+    m_major: bool,
     per: usize,
     decode: u32,
 }
@@ -301,6 +328,7 @@ impl Geometry {
                 has_bias,
                 has_lora,
                 self.grid.2 > 1,
+                self.m_major,
             );
         }
     }

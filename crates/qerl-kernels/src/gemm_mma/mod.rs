@@ -1,5 +1,5 @@
 //! W4A16 product for decode batches on CUDA tensor cores: `Y[M,N] = X[M,K] · deq(W)ᵀ (+ bias)
-//! (+ s·T·Bᵀ)` for M up to [`MAX_M`] rows, reading the 4-bit weight once, straight from global
+//! (+ s·T·Bᵀ)` for M up to [`MmaOptions::max_m`] rows, reading the 4-bit weight once, straight from global
 //! memory into registers, with no shared-memory tile and no barrier in the loop.
 //!
 //! Why a separate kernel: at 16-64 rows the tiled tensor-core kernel ([`crate::gemm_tc`]) decodes
@@ -34,7 +34,10 @@
 mod launch;
 
 pub(crate) use launch::{applies, launch};
-pub use launch::{launches, options, set_options, MmaDecode, MmaOptions, DEFAULT_WARPS_PER_SM};
+pub use launch::{
+    launches, options, set_options, MmaDecode, MmaOptions, DEFAULT_MAX_M, DEFAULT_WARPS_PER_SM,
+    MAX_M_LIMIT,
+};
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
@@ -103,6 +106,7 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
     #[comptime] has_bias: bool,
     #[comptime] has_lora: bool,
     #[comptime] split: bool,
+    #[comptime] m_major: bool,
 ) {
     let tid = UNIT_POS as usize;
     let lane = tid % 32;
@@ -132,8 +136,14 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
     }
     sync_cube();
 
-    let n0 = (CUBE_POS_X as usize * warps + tid / 32) * comptime!(16 * r_tiles);
-    let m0 = CUBE_POS_Y as usize * comptime!(8 * m_tiles);
+    let mut cube_n = CUBE_POS_X as usize;
+    let mut cube_m = CUBE_POS_Y as usize;
+    if m_major {
+        cube_n = CUBE_POS_Y as usize;
+        cube_m = CUBE_POS_X as usize;
+    }
+    let n0 = (cube_n * warps + tid / 32) * comptime!(16 * r_tiles);
+    let m0 = cube_m * comptime!(8 * m_tiles);
     if n0 >= n_cols {
         terminate!();
     }
