@@ -5,10 +5,11 @@
 //! * [`matmul_transposed`]: `dX[M,K] = dY[M,N] · deq(W)`, the backward product for dX.
 //!
 //! M <= 8 (16 where there are no tensor cores) goes to the decode kernel ([`crate::gemv`])
-//! where the runtime has warp operations; up to 64 rows of an E2M1 weight to the decode-batch
-//! `mma` kernel ([`crate::gemm_mma`]) on CUDA;
-//! larger M to the tensor-core kernel ([`crate::gemm_tc`], with split-K when the output tiles
-//! do not fill the device) where it has `cmma`. The portable kernels below serve the rest.
+//! where the runtime has warp operations; up to 256 rows of an E2M1 weight to the decode-batch
+//! `mma` kernel ([`crate::gemm_mma`]) on CUDA; larger M, by [`Strategy`] (default
+//! [`Strategy::Auto`]), to dequantize + cuBLAS from [`cublas_min_m`] rows where it runs, else to
+//! the tensor-core kernel ([`crate::gemm_tc`], with split-K when the output tiles do not fill
+//! the device) where it has `cmma`. The portable kernels below serve the rest.
 //! Both tile the output over a 16x16 cube, each unit owning a 2x2 patch, with the activation tile
 //! loaded as 4-wide vectors and the weight tile decoded from u32 words (8 codes each) into shared
 //! memory. Correct and simple; the fast sm_90 kernels are a separate piece of work.
@@ -454,7 +455,7 @@ pub fn matmul<R: Runtime, F: Float>(
         Some(l) => (l.t.clone(), l.b.clone(), l.rank, l.scale),
         None => (weight.code_table.clone(), weight.code_table.clone(), 0, 0.0),
     };
-    // Up to 64 rows of an E2M1 weight on CUDA: the decode-batch mma kernel, from
+    // Up to `max_m` (256) rows of an E2M1 weight on CUDA: the decode-batch mma kernel, from
     // `min_m` rows (fewer go to the decode kernel).
     let lora_rank = lora.as_ref().map(|l| l.rank);
     let mma = mma_applies::<R, F>(client, m, weight, lora_rank);
