@@ -7,7 +7,10 @@
 #                  $OUT/cubecl-cache.tgz. After the tiny-math runs, the kernel suites and a 1.5B
 #                  model it was 296 MB compressed: past what a device call brings back (16 MiB a
 #                  file), so carrying it to a fresh machine works only for small sets of kernels.
-# The caches are keyed by kernel (and the autotune one by device), so a stale one is harmless.
+# The PTX cache is keyed by kernel name, launch geometry and comptime arguments, not by the
+# kernel's source: a machine kept warm across builds can serve a changed kernel body its old PTX
+# (docs/cold-start.md). CLEAR_CACHE=1 empties it first.
+if [ "${CLEAR_CACHE:-0}" = 1 ]; then rm -rf target/cuda target/nv-cache; fi
 export CUDA_CACHE_PATH=$PWD/target/nv-cache CUDA_CACHE_MAXSIZE=1073741824
 cache_restore() {
   mkdir -p target

@@ -363,8 +363,10 @@ where
         sequences: batch.rows(),
         tokens: batch.tokens_counted(),
     };
-    let (mut grads, _) = accumulate_gradients(model, &micro, &fixed, global, &cfg, false)?;
-    qerl_rl::optim_schedule::clip_grad_norm::<Ad<B>, _>(model, &mut grads, cfg.grad_clip);
+    let (mut grads, stats) = accumulate_gradients(model, &micro, &fixed, global, &cfg, false)?;
+    t.loss = stats.loss;
+    t.grad_norm =
+        qerl_rl::optim_schedule::clip_grad_norm::<Ad<B>, _>(model, &mut grads, cfg.grad_clip);
     *model = optim.step(cfg.lr, model.clone(), grads);
     sync()?;
     let update_s = start.elapsed().as_secs_f64();

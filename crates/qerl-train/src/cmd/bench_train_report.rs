@@ -16,6 +16,10 @@ pub(super) struct StepTimes {
     /// Largest `reserved` the device allocator reported after a phase (bytes); on the CPU the
     /// process's peak resident set.
     pub peak_reserved: Option<u64>,
+    /// The update's loss and global gradient norm before clipping: random weights give similar
+    /// values every step, so a jump points at a wrong product (issue 16, item 4).
+    pub loss: f32,
+    pub grad_norm: f32,
 }
 
 /// Forward + backward flops of the update on one micro-batch (padded rows as computed):
@@ -42,12 +46,15 @@ pub(super) fn update_flops(c: &ModelConfig, rank: usize, m: &TrainBatch) -> f64 
 
 pub(super) fn describe(t: &StepTimes) -> String {
     format!(
-        "rollout {:.2} s, reference {:.2} s, update {:.2} s ({:.2} TFLOP/s), peak reserved {}",
+        "rollout {:.2} s, reference {:.2} s, update {:.2} s ({:.2} TFLOP/s), peak reserved {}, \
+         loss {:.4}, gradient norm {:.4}",
         t.rollout_s,
         t.reference_s,
         t.update_s,
         t.update_flops / t.update_s.max(1e-9) / 1e12,
-        gb(t.peak_reserved)
+        gb(t.peak_reserved),
+        t.loss,
+        t.grad_norm
     )
 }
 
