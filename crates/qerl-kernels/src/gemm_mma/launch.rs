@@ -222,39 +222,11 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     y: &Handle,
 ) {
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
-    let o = options();
-    let (r_tiles, m_tiles) = pick_tiles(m, &o);
     let (n, k) = (weight.n, weight.k);
-    let row_groups = n.div_ceil(16 * r_tiles);
-    let m_groups = m.div_ceil(8 * m_tiles);
-    let target = split_target(m, &o) * splitk::multiprocessors(client);
-    let (splits, per) = splitk::plan(row_groups * m_groups, k / CHUNK, target, MIN_SPLIT_CHUNKS);
-    let cubes_n = row_groups.div_ceil(o.warps_per_cube);
-    // Up to 64 rows (at most 2 token groups) the grid stays as measured: weight rows fastest.
-    let m_major = m_groups > 2;
-    let geometry = Geometry {
-        m,
-        r_tiles,
-        m_tiles,
-        warps: o.warps_per_cube,
-        grid: match m_major {
-            true => (m_groups, cubes_n, splits),
-            false => (cubes_n, m_groups, splits),
-        },
-        m_major,
-        per,
-        decode: match o.decode.resolve(m) {
-            MmaDecode::Table => super::DECODE_TABLE,
-            // The bit placement is exact for bf16 only.
-            MmaDecode::Bits
-                if F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked() =>
-            {
-                super::DECODE_BITS
-            }
-            MmaDecode::Bits => super::DECODE_TABLE,
-            MmaDecode::Pairs | MmaDecode::Auto => super::DECODE_PAIRS,
-        },
-    };
+    let bf16 = F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked();
+    let sms = splitk::multiprocessors(client);
+    let geometry = Geometry::plan(m, n, k, &options(), sms, bf16);
+    let splits = geometry.grid.2;
     if splits == 1 {
         geometry.run::<R, F, F>(client, x, weight, bias, lora, y);
         return;
@@ -278,6 +250,40 @@ struct Geometry {
 }
 
 impl Geometry {
+    /// Tiles, grid (with split-K) and decoding for `m` rows of an `n x k` weight on a device of
+    /// `sms` multiprocessors; `bf16`: the activations are bf16 (the bit placement is exact
+    /// for bf16 only).
+    fn plan(m: usize, n: usize, k: usize, o: &MmaOptions, sms: usize, bf16: bool) -> Geometry {
+        let (r_tiles, m_tiles) = pick_tiles(m, o);
+        let row_groups = n.div_ceil(16 * r_tiles);
+        let m_groups = m.div_ceil(8 * m_tiles);
+        let target = split_target(m, o) * sms;
+        let (splits, per) =
+            splitk::plan(row_groups * m_groups, k / CHUNK, target, MIN_SPLIT_CHUNKS);
+        let cubes_n = row_groups.div_ceil(o.warps_per_cube);
+        // Up to 64 rows (at most 2 token groups) the grid stays as measured: weight rows
+        // fastest.
+        let m_major = m_groups > 2;
+        Geometry {
+            m,
+            r_tiles,
+            m_tiles,
+            warps: o.warps_per_cube,
+            grid: match m_major {
+                true => (m_groups, cubes_n, splits),
+                false => (cubes_n, m_groups, splits),
+            },
+            m_major,
+            per,
+            decode: match o.decode.resolve(m) {
+                MmaDecode::Table => super::DECODE_TABLE,
+                MmaDecode::Bits if bf16 => super::DECODE_BITS,
+                MmaDecode::Bits => super::DECODE_TABLE,
+                MmaDecode::Pairs | MmaDecode::Auto => super::DECODE_PAIRS,
+            },
+        }
+    }
+
     /// One launch into `y` (`splits` blocks of `M x N` elements of `O`).
     fn run<R: Runtime, F: Float, O: Float>(
         &self,
@@ -331,6 +337,61 @@ impl Geometry {
                 has_lora,
                 self.grid.2 > 1,
                 self.m_major,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults() -> MmaOptions {
+        MmaOptions {
+            enabled: true,
+            tiles: None,
+            decode: MmaDecode::Auto,
+            warps_per_sm: DEFAULT_WARPS_PER_SM,
+            min_m: DEFAULT_MIN_M,
+            warps_per_cube: DEFAULT_WARPS_PER_CUBE,
+            max_m: DEFAULT_MAX_M,
+        }
+    }
+
+    /// Up to 64 rows the grid keeps weight rows along x (as measured); past two token groups
+    /// the token groups go along x, so the cubes reading the same weight rows run together.
+    #[test]
+    fn token_groups_lead_the_grid_past_64_rows() {
+        let o = defaults();
+        // 7B gate/up: N = 37888, K = 3584, 132 multiprocessors (an H100 SXM)
+        let g = Geometry::plan(64, 37888, 3584, &o, 132, true);
+        assert_eq!((g.r_tiles, g.m_tiles), (2, 4));
+        assert!(!g.m_major);
+        assert_eq!((g.grid.0, g.grid.1), (37888usize.div_ceil(32 * 4), 2));
+        let g = Geometry::plan(256, 37888, 3584, &o, 132, true);
+        assert!(g.m_major);
+        assert_eq!((g.grid.0, g.grid.1), (8, 37888usize.div_ceil(32 * 4)));
+        assert_eq!(g.decode, super::super::DECODE_BITS);
+        let g = Geometry::plan(1, 4608, 3584, &o, 132, true);
+        assert_eq!((g.r_tiles, g.m_tiles, g.m_major), (4, 1, false));
+        assert_eq!(g.decode, super::super::DECODE_PAIRS);
+        // the bit placement only for bf16
+        let g = Geometry::plan(100, 512, 3584, &o, 132, false);
+        assert!(g.m_major);
+        assert_eq!(g.decode, super::super::DECODE_TABLE);
+    }
+
+    /// Every row of the grid's token groups is covered once: groups x 8 x m_tiles >= M.
+    #[test]
+    fn token_groups_cover_every_row() {
+        let o = defaults();
+        for m in [2usize, 8, 9, 16, 17, 33, 64, 65, 100, 150, 255, 256] {
+            let g = Geometry::plan(m, 512, 1024, &o, 132, true);
+            let groups = if g.m_major { g.grid.0 } else { g.grid.1 };
+            assert!(groups * 8 * g.m_tiles >= m, "M = {m}");
+            assert!(
+                (groups - 1) * 8 * g.m_tiles < m,
+                "M = {m}: an empty token group"
             );
         }
     }
