@@ -187,10 +187,7 @@ where
         });
         match result {
             Ok((steps, fits)) => rows.push((p.clone(), Some(steps), fits)),
-            Err(e)
-                if e.downcast_ref::<OutOfMemory>()
-                    .is_some_and(|o| o.runtime_lost) =>
-            {
+            Err(e) if runtime_lost(&e) => {
                 // the runtime's server thread is gone: nothing more can run in this process
                 return Err(e);
             }
@@ -412,10 +409,7 @@ where
             || pool_text::<B>(device),
             || grpo_step(model, optim, a, len, 0, device),
         );
-        if r.as_ref().is_err_and(|e| {
-            e.downcast_ref::<OutOfMemory>()
-                .is_some_and(|o| o.runtime_lost)
-        }) {
+        if r.as_ref().is_err_and(runtime_lost) {
             return r.map(|_| false);
         }
         B::memory_cleanup(device);
@@ -456,4 +450,11 @@ where
         }
     }
     Ok(if good == 0 { 0 } else { a.prompt_len + good })
+}
+
+/// Whether `e` is an out-of-memory error after which the runtime's server thread is gone, so
+/// nothing more can run in this process.
+fn runtime_lost(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<OutOfMemory>()
+        .is_some_and(|o| o.runtime_lost)
 }
