@@ -69,12 +69,21 @@ pub struct RolloutArgs {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    match args.what {
+    let before = super::kernel_cache::cached_kernels();
+    let result = match args.what {
         What::Rollout(a) => run_rollout(a),
         What::Load(a) => super::bench_load::run(a),
         What::Train(a) => super::bench_train::run(a),
         What::Attention(a) => super::bench_attention::run(a),
+    };
+    // What a cold start pays for (issue 14): the CUDA kernels this run had to compile (only
+    // CUDA's grow the cache, so a run elsewhere, or a warm one, prints nothing).
+    if super::kernel_cache::cached_kernels() > before {
+        if let Some(line) = super::kernel_cache::compiled_since(before) {
+            eprintln!("{line}");
+        }
     }
+    result
 }
 
 fn run_rollout(a: RolloutArgs) -> Result<()> {

@@ -9,6 +9,7 @@ pub mod convert;
 pub mod demo;
 pub mod eval;
 pub mod generate;
+mod kernel_cache;
 pub mod quantize;
 pub mod reward;
 pub mod score;

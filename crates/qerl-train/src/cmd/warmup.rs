@@ -66,6 +66,7 @@ fn default_device() -> DeviceArg {
 pub fn run(args: Args) -> Result<()> {
     let device = args.device.unwrap_or_else(default_device);
     let start = Instant::now();
+    let before = super::kernel_cache::cached_kernels();
     let steps = if args.train.is_some() { 3 } else { 2 };
     eprintln!(
         "[1/{steps}] loading `{}` on {device:?}",
@@ -80,6 +81,12 @@ pub fn run(args: Args) -> Result<()> {
     }
     eprintln!("warm-up done in {:.1} s", start.elapsed().as_secs_f64());
     print_cache(device);
+    // cubecl keeps compiled kernels for CUDA only: elsewhere the count says nothing
+    if matches!(device, DeviceArg::Cuda) {
+        if let Some(line) = super::kernel_cache::compiled_since(before) {
+            println!("{line}");
+        }
+    }
     Ok(())
 }
 
