@@ -1,5 +1,7 @@
-//! Which implementation runs a product too large for the decode kernel. With
-//! [`Strategy::Tuned`] CubeCL's autotuner picks,
+//! Which implementation runs a product too large for the decode kernel. By default
+//! ([`Strategy::Auto`]) the rows decide, with no tuning pass: the `mma` kernel for E2M1 weights
+//! up to its rows, then the tensor-core kernel, and dequantize + cuBLAS from [`cublas_min_m`]
+//! rows. With [`Strategy::Tuned`] CubeCL's autotuner picks,
 //! per (M bucket, N, K, product, LoRA rank, bias, element type), among the tensor-core kernel's
 //! three tile configurations and, on CUDA with libcublas for bf16/f16, dequantize + cuBLAS
 //! ([`crate::cublas`]). The first product of a key times every candidate (a few runs each) and
