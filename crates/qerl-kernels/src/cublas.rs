@@ -59,6 +59,15 @@ pub(crate) fn data_type<F: 'static>() -> Option<sys::cudaDataType> {
     }
 }
 
+/// The cuBLAS type of an output element `O`: as [`data_type`], plus f32 (a bf16 product into f32
+/// logits).
+fn output_type<O: 'static>() -> Option<sys::cudaDataType> {
+    match TypeId::of::<O>() == TypeId::of::<f32>() {
+        true => Some(sys::cudaDataType::CUDA_R_32F),
+        false => data_type::<O>(),
+    }
+}
+
 /// The client as a CUDA client, or `None` on another runtime.
 pub(crate) fn cuda_client<R: Runtime>(
     client: &ComputeClient<R>,
@@ -301,6 +310,54 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     let xw = client.empty(m * ld * size);
     dense::widen::<R, F, f32>(client, Some(x), tail_x, bias_x, &xw, m, k, ld)?;
     run(client, &[gemm(ld, &w, &xw, 0.0)])
+}
+
+/// `Y[M, N] = X · Dᵀ (+ bias) (+ s·T·Bᵀ)` for a dense row-major `D [N, K]` in `F`, `Y` in `O`
+/// (f32 allowed): the plain product, then, with bias or LoRA, a second GEMM over the extra
+/// columns alone adds to `Y` (`D` is never copied). The caller has checked every buffer.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dense_forward<R: Runtime, F: Float, O: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    d: &Handle,
+    n: usize,
+    k: usize,
+    bias: Option<&Handle>,
+    lora: Option<(&Handle, &Handle, usize, f32)>,
+    y: &Handle,
+) -> Result<(), KernelError> {
+    let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
+    let out = output_type::<O>().ok_or_else(|| err("cuBLAS writes bf16, f16 or f32 only"))?;
+    let gemm = |ld: usize, a, b, beta| Gemm {
+        shape: BlasShape::forward(m, n, ld),
+        a,
+        b,
+        c: y,
+        ab_type: ty,
+        c_type: out,
+        alpha: 1.0,
+        beta,
+    };
+    if lora.is_none() && bias.is_none() {
+        return run(client, &[gemm(k, d, x, 0.0)]);
+    }
+    let size = std::mem::size_of::<F>();
+    let (bias_w, bias_x) = match bias {
+        Some(b) => (ExtraColumn::PerRow(b), ExtraColumn::Ones),
+        None => (ExtraColumn::None, ExtraColumn::None),
+    };
+    let ld = dense::widened_ld(0, lora.map_or(0, |l| l.2), bias.is_some());
+    let extra_w = client.empty(n * ld * size);
+    let tail_w = lora.map(|(_, b, r, _)| (b, r, 1.0));
+    dense::widen::<R, F, F>(client, None, tail_w, bias_w, &extra_w, n, 0, ld)?;
+    let extra_x = client.empty(m * ld * size);
+    let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
+    dense::widen::<R, F, f32>(client, None, tail_x, bias_x, &extra_x, m, 0, ld)?;
+    run(
+        client,
+        &[gemm(k, d, x, 0.0), gemm(ld, &extra_w, &extra_x, 1.0)],
+    )
 }
 
 /// `dX[M, K] = dY[M, N] · deq(W)[N, K]` through a dense `W` and cuBLAS.

@@ -627,9 +627,35 @@ pub fn matmul_transposed<R: Runtime, F: Float>(
     Ok(())
 }
 
+/// 0 off, 1 on, anything else: not set yet (read `QERL_DENSE_CUBLAS`).
+static DENSE_CUBLAS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
+
+/// Whether [`dense_matmul`] sends products to cuBLAS from [`cublas_min_m`] rows: the last
+/// [`set_dense_cublas`], else `QERL_DENSE_CUBLAS=1`; off by default until measured on a GPU.
+pub fn dense_cublas() -> bool {
+    use std::sync::atomic::Ordering;
+    match DENSE_CUBLAS.load(Ordering::Relaxed) {
+        0 => false,
+        1 => true,
+        _ => {
+            let on = std::env::var("QERL_DENSE_CUBLAS").is_ok_and(|v| v == "1");
+            DENSE_CUBLAS.store(u8::from(on), Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+/// Turns the cuBLAS path of [`dense_matmul`] on or off for every later product in this process
+/// (tests, benchmarks), overriding `QERL_DENSE_CUBLAS`.
+pub fn set_dense_cublas(on: bool) {
+    DENSE_CUBLAS.store(u8::from(on), std::sync::atomic::Ordering::Relaxed);
+}
+
 /// `Y[M, n] = X[M, K] · D[n, K]ᵀ (+ bias[n]) (+ s · T·Bᵀ)` with a dense row-major `D` in `F`
 /// and the output in `O`, on the tensor-core kernel (with split-K where the output is small):
-/// the lm_head and the frozen weights of a BF16 model when many rows are decoded.
+/// the lm_head and the frozen weights of a BF16 model when many rows are decoded. With
+/// `QERL_DENSE_CUBLAS=1`, from [`cublas_min_m`] rows under the default strategy (or any rows
+/// under `QERL_GEMM=cublas`), cuBLAS where it runs.
 /// Returns `Ok(false)`, launching nothing, where that kernel does not apply (no tensor cores
 /// for `F`, or `K` not a multiple of its stage); the caller then uses a portable product.
 #[allow(clippy::too_many_arguments)]
@@ -656,6 +682,19 @@ pub fn dense_matmul<R: Runtime, F: Float, O: Float>(
     if let Some(l) = &lora {
         check_buffer("dense_matmul", "LoRA T", l.t, bytes_of::<f32>(m * l.rank))?;
         check_buffer("dense_matmul", "LoRA B", l.b, bytes_of::<F>(n * l.rank))?;
+    }
+    #[cfg(feature = "cuda")]
+    if dense_cublas() && cublas_usable::<R, F>(client) {
+        let take = match strategy()? {
+            Strategy::Auto => m >= cublas_min_m(),
+            Strategy::Cublas => true,
+            _ => false,
+        };
+        if take {
+            let lora = lora.map(|l| (l.t, l.b, l.rank, l.scale));
+            crate::cublas::dense_forward::<R, F, O>(client, x, m, d, n, k, bias, lora, y)?;
+            return Ok(true);
+        }
     }
     if !(TENSOR_CORES.load(std::sync::atomic::Ordering::Relaxed)
         && crate::gemm_tc::applies::<R, F>(client, k))

@@ -453,6 +453,91 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
     }
 }
 
+/// Dense products ([`gemm::dense_matmul`]: a BF16 model's frozen weights, the lm_head) of 256
+/// rows and more, on the tensor-core kernel and on cuBLAS (`set_dense_cublas`, where libcublas
+/// loads), into `F` with bias and LoRA and into f32 without, against the f64 host product.
+/// Needs `cmma` for `F` (CUDA); skipped elsewhere.
+pub fn dense_products<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) || !has_cmma::<R, F>(&c) {
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    for (m, n, k) in [(260, 96, 192), (300, 64, 320), (256, 200, 128)] {
+        let rank = 6;
+        let (d, x) = (normal(&mut rng, n * k, 0.1), normal(&mut rng, m * k, 1.0));
+        let bias = normal(&mut rng, n, 0.5);
+        let (t, b) = (
+            normal(&mut rng, m * rank, 1.0),
+            normal(&mut rng, n * rank, 0.1),
+        );
+        let scale = 2.0f32;
+        let (rd, rx, rbias, rb) = (
+            rounded::<F>(&d),
+            rounded::<F>(&x),
+            rounded::<F>(&bias),
+            rounded::<F>(&b),
+        );
+        let dot = |u: &[f64], v: &[f64]| u.iter().zip(v).map(|(a, b)| a * b).sum::<f64>();
+        let mut plain = vec![0.0; m * n];
+        let mut full = vec![0.0; m * n];
+        for r in 0..m {
+            for col in 0..n {
+                let y = dot(&rx[r * k..(r + 1) * k], &rd[col * k..(col + 1) * k]);
+                let tr: Vec<f64> = t[r * rank..(r + 1) * rank]
+                    .iter()
+                    .map(|&v| v as f64)
+                    .collect();
+                let l = scale as f64 * dot(&tr, &rb[col * rank..(col + 1) * rank]);
+                plain[r * n + col] = y;
+                full[r * n + col] = y + rbias[col] + l;
+            }
+        }
+        let (dh, xh, biash, bh) = (
+            upload::<R, F>(&c, &d),
+            upload::<R, F>(&c, &x),
+            upload::<R, F>(&c, &bias),
+            upload::<R, F>(&c, &b),
+        );
+        let th = c.create_from_slice(f32::as_bytes(&t));
+        for cublas in [false, true] {
+            if cublas && !gemm::cublas_usable::<R, F>(&c) {
+                eprintln!("note: no cuBLAS here, dense products checked on the tensor cores only");
+                continue;
+            }
+            let _on = Restore::set(cublas, gemm::dense_cublas(), gemm::set_dense_cublas);
+            let what = format!("dense M={m} N={n} K={k} cuBLAS={cublas}");
+            let lora = gemm::LoraEpilogue {
+                t: &th,
+                b: &bh,
+                rank,
+                scale,
+            };
+            let y = poisoned::<R, F>(&c, m * n);
+            let ran =
+                gemm::dense_matmul::<R, F, F>(&c, &xh, m, &dh, n, k, Some(&biash), Some(lora), &y);
+            assert!(ran.unwrap(), "{what}: not run");
+            assert_close(
+                &format!("{what} +bias+LoRA"),
+                &read::<R, F>(&c, &y),
+                &full,
+                tol,
+                seed,
+            );
+            let y32 = poisoned::<R, f32>(&c, m * n);
+            let ran = gemm::dense_matmul::<R, F, f32>(&c, &xh, m, &dh, n, k, None, None, &y32);
+            assert!(ran.unwrap(), "{what}: not run");
+            assert_close(
+                &format!("{what} into f32"),
+                &read::<R, f32>(&c, &y32),
+                &plain,
+                tol,
+                seed,
+            );
+        }
+    }
+}
+
 /// The dense operands of the cuBLAS strategy, on any runtime: `deq(W)` at a row stride wider
 /// than K (columns past K untouched), and the widened activation / weight rows (X copied, then
 /// `s·T` or `B`, then the bias column, then zeros), all exact against the host.
@@ -1015,6 +1100,8 @@ macro_rules! suite {
             fn matmul_tensor_cores_split_k() { super::matmul_split_k::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn dense_operands() { super::dense_operands::<R, F>(&$device) }
+            $(#[$attr])? #[test]
+            fn dense_products() { super::dense_products::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_transposed_all_formats() { super::matmul_transposed::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
