@@ -56,7 +56,20 @@ fn two_steps_of_both_precisions_and_the_context_search() {
     let out = bench(&["--max-context", "--max-context-limit", "32"]);
     for step in 0..2 {
         for w in ["nvfp4", "bf16"] {
-            assert!(out.contains(&format!("{w} step {step}: rollout ")), "{out}");
+            let head = format!("{w} step {step}: rollout ");
+            let line = out.lines().find(|l| l.starts_with(&head));
+            let line = line.unwrap_or_else(|| panic!("no `{head}` line in {out}"));
+            // which phase raised the memory, and the update's loss and gradient norm
+            assert!(
+                line.contains("(after rollout / reference / update: "),
+                "{line}"
+            );
+            let norm: f64 = line
+                .rsplit("gradient norm ")
+                .next()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no gradient norm in {line}"));
+            assert!(norm.is_finite() && norm > 0.0, "{line}");
         }
     }
     for w in ["nvfp4", "bf16"] {

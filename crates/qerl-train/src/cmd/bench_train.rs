@@ -315,6 +315,8 @@ where
     B: QerlBackend,
 {
     let mut t = StepTimes::default();
+    // The allocator's reservation only grows within a step, so its value after each phase
+    // says which phase raised the peak.
     let note_peak = |t: &mut StepTimes| {
         let reserved = B::memory_usage(device)
             .map(|(_, reserved)| reserved)
@@ -322,6 +324,7 @@ where
         if let Some(r) = reserved {
             t.peak_reserved = Some(t.peak_reserved.unwrap_or(0).max(r));
         }
+        t.reserved_after.push(reserved);
     };
     let sync = || B::sync(device).map_err(|e| anyhow::anyhow!("{e:?}"));
     let loss = PolicyLossConfig {

@@ -20,6 +20,8 @@ pub(super) struct StepTimes {
     /// values every step, so a jump points at a wrong product (issue 16, item 4).
     pub loss: f32,
     pub grad_norm: f32,
+    /// The allocator's reservation after the rollout, the reference and the update (bytes).
+    pub reserved_after: Vec<Option<u64>>,
 }
 
 /// Forward + backward flops of the update on one micro-batch (padded rows as computed):
@@ -46,13 +48,18 @@ pub(super) fn update_flops(c: &ModelConfig, rank: usize, m: &TrainBatch) -> f64 
 
 pub(super) fn describe(t: &StepTimes) -> String {
     format!(
-        "rollout {:.2} s, reference {:.2} s, update {:.2} s ({:.2} TFLOP/s), peak reserved {}, \
-         loss {:.4}, gradient norm {:.4}",
+        "rollout {:.2} s, reference {:.2} s, update {:.2} s ({:.2} TFLOP/s), peak reserved {} \
+         (after rollout / reference / update: {}), loss {:.4}, gradient norm {:.4}",
         t.rollout_s,
         t.reference_s,
         t.update_s,
         t.update_flops / t.update_s.max(1e-9) / 1e12,
         gb(t.peak_reserved),
+        t.reserved_after
+            .iter()
+            .map(|r| gb(*r))
+            .collect::<Vec<_>>()
+            .join(" / "),
         t.loss,
         t.grad_norm
     )
