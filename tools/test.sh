@@ -62,4 +62,9 @@ fi
 
 # wgpu's Vulkan loader warns on every process without a runtime directory.
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp}
+# One test at a time in each test binary: burn 0.21's autodiff lets a backward() in one thread
+# free the steps of a graph another thread is building (tracel-ai/burn#5573), so two tests
+# with gradients running side by side can lose one silently (seen in CI on 2026-11-27:
+# `update::tests::chunked_log_probs_equal_the_unfused_ones`, "gradient on one side only").
+export RUST_TEST_THREADS=${RUST_TEST_THREADS:-1}
 exec cargo test --workspace "$@"

@@ -429,6 +429,13 @@ pub fn accumulate_gradients<B>(
 where
     B: crate::trainer::TrainBackend,
 {
+    // burn 0.21's autodiff: the cleanup at the end of every `backward()` sweeps the graphs of
+    // every thread and can free steps of a graph another thread is still building, so that
+    // thread's backward silently loses a gradient (tracel-ai/burn#5573). Ranks that are threads
+    // of one process (`dist::local`) therefore take turns here; nothing inside communicates,
+    // and a single-threaded run never waits.
+    static AUTODIFF: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = AUTODIFF.lock().unwrap_or_else(|e| e.into_inner());
     let device = model.device();
     let denom = global.tokens.max(1.0);
     let opts = cfg.log_prob_options(entropy);
