@@ -5,8 +5,8 @@
 //! * [`matmul_transposed`]: `dX[M,K] = dY[M,N] · deq(W)`, the backward product for dX.
 //!
 //! M <= 8 (16 where there are no tensor cores) goes to the decode kernel ([`crate::gemv`])
-//! where the runtime has warp operations; up to 256 rows of an E2M1 weight to the decode-batch
-//! `mma` kernel ([`crate::gemm_mma`]) on CUDA; larger M, by [`Strategy`] (default
+//! where the runtime has warp operations, except that 2-256 rows of an E2M1 weight go to the
+//! decode-batch `mma` kernel ([`crate::gemm_mma`]) on CUDA; larger M, by [`Strategy`] (default
 //! [`Strategy::Auto`]), to dequantize + cuBLAS from [`cublas_min_m`] rows where it runs, else to
 //! the tensor-core kernel ([`crate::gemm_tc`], with split-K when the output tiles do not fill
 //! the device) where it has `cmma`. The portable kernels below serve the rest.
