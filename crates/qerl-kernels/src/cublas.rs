@@ -267,49 +267,37 @@ pub(crate) fn forward<R: Runtime, F: Float>(
 ) -> Result<(), KernelError> {
     let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
     let (n, k) = (weight.n, weight.k);
-    let rank = lora.map_or(0, |l| l.2);
     let size = std::mem::size_of::<F>();
+    if (lora.is_none() && bias.is_none()) || k > n {
+        // the plain product (then the extra columns' own GEMM) on the decoded weight
+        let w = client.empty(n * k * size);
+        dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
+        return dense_forward::<R, F, F>(client, x, m, &w, n, k, bias, lora, y);
+    }
+    let rank = lora.map_or(0, |l| l.2);
     let (bias_w, bias_x) = match bias {
         Some(b) => (ExtraColumn::PerRow(b), ExtraColumn::Ones),
         None => (ExtraColumn::None, ExtraColumn::None),
     };
     let tail_w = lora.map(|(_, b, r, _)| (b, r, 1.0));
     let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
-    let gemm = |ld: usize, a, b, beta| Gemm {
-        shape: BlasShape::forward(m, n, ld),
-        a,
-        b,
-        c: y,
-        ab_type: ty,
-        c_type: ty,
-        alpha: 1.0,
-        beta,
-    };
-    if lora.is_none() && bias.is_none() {
-        let w = client.empty(n * k * size);
-        dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
-        return run(client, &[gemm(k, &w, x, 0.0)]);
-    }
-    if k > n {
-        let w = client.empty(n * k * size);
-        dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
-        let ld = dense::widened_ld(0, rank, bias.is_some());
-        let extra_w = client.empty(n * ld * size);
-        dense::widen::<R, F, F>(client, None, tail_w, bias_w, &extra_w, n, 0, ld)?;
-        let extra_x = client.empty(m * ld * size);
-        dense::widen::<R, F, f32>(client, None, tail_x, bias_x, &extra_x, m, 0, ld)?;
-        return run(
-            client,
-            &[gemm(k, &w, x, 0.0), gemm(ld, &extra_w, &extra_x, 1.0)],
-        );
-    }
     let ld = dense::widened_ld(k, rank, bias.is_some());
     let w = client.empty(n * ld * size);
     dense::dequantize_rows::<R, F>(client, weight, &w, ld)?;
     dense::widen::<R, F, F>(client, None, tail_w, bias_w, &w, n, k, ld)?;
     let xw = client.empty(m * ld * size);
     dense::widen::<R, F, f32>(client, Some(x), tail_x, bias_x, &xw, m, k, ld)?;
-    run(client, &[gemm(ld, &w, &xw, 0.0)])
+    let gemm = Gemm {
+        shape: BlasShape::forward(m, n, ld),
+        a: &w,
+        b: &xw,
+        c: y,
+        ab_type: ty,
+        c_type: ty,
+        alpha: 1.0,
+        beta: 0.0,
+    };
+    run(client, &[gemm])
 }
 
 /// `Y[M, N] = X · Dᵀ (+ bias) (+ s·T·Bᵀ)` for a dense row-major `D [N, K]` in `F`, `Y` in `O`

@@ -78,10 +78,8 @@ pub fn run(args: Args) -> Result<()> {
     };
     // What a cold start pays for (issue 14): the CUDA kernels this run had to compile (only
     // CUDA's grow the cache, so a run elsewhere, or a warm one, prints nothing).
-    if super::kernel_cache::cached_kernels() > before {
-        if let Some(line) = super::kernel_cache::compiled_since(before) {
-            eprintln!("{line}");
-        }
+    if let Some(c) = super::kernel_cache::compiled_since(before).filter(|c| c.compiled > 0) {
+        eprintln!("{c}");
     }
     result
 }

@@ -31,13 +31,30 @@ fn count_under(cuda_dir: &Path) -> usize {
         .sum()
 }
 
-/// `kernels compiled by this process: N (M in the cache)`, or `None` without a cache.
-pub(super) fn compiled_since(before: Option<usize>) -> Option<String> {
-    let (before, now) = (before?, cached_kernels()?);
-    Some(format!(
-        "kernels compiled by this process: {} ({now} in the cache)",
-        now.saturating_sub(before)
-    ))
+/// What a process added to the cache: printed as `kernels compiled by this process: N (M in
+/// the cache)`.
+pub(super) struct Compiled {
+    pub compiled: usize,
+    pub cached: usize,
+}
+
+impl std::fmt::Display for Compiled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "kernels compiled by this process: {} ({} in the cache)",
+            self.compiled, self.cached
+        )
+    }
+}
+
+/// The kernels added since `before` (a [`cached_kernels`] count), or `None` without a cache.
+pub(super) fn compiled_since(before: Option<usize>) -> Option<Compiled> {
+    let (before, cached) = (before?, cached_kernels()?);
+    Some(Compiled {
+        compiled: cached.saturating_sub(before),
+        cached,
+    })
 }
 
 #[cfg(test)]
