@@ -631,14 +631,17 @@ pub fn matmul_transposed<R: Runtime, F: Float>(
 static DENSE_CUBLAS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
 
 /// Whether [`dense_matmul`] sends products to cuBLAS from [`cublas_min_m`] rows: the last
-/// [`set_dense_cublas`], else `QERL_DENSE_CUBLAS=1`; off by default until measured on a GPU.
+/// [`set_dense_cublas`], else on unless `QERL_DENSE_CUBLAS=0`. On by default since an H100
+/// run (2026-11-27, docs/benchmarks/rollout.md, session 12): a BF16 7B prefill of 256 x 256
+/// tokens took 2.93 s there against 7.36 s on the tiled kernel, and batch-256 decode 45.8
+/// against 61.1 ms a step.
 pub fn dense_cublas() -> bool {
     use std::sync::atomic::Ordering;
     match DENSE_CUBLAS.load(Ordering::Relaxed) {
         0 => false,
         1 => true,
         _ => {
-            let on = std::env::var("QERL_DENSE_CUBLAS").is_ok_and(|v| v == "1");
+            let on = std::env::var("QERL_DENSE_CUBLAS").as_deref() != Ok("0");
             DENSE_CUBLAS.store(u8::from(on), Ordering::Relaxed);
             on
         }
@@ -653,9 +656,9 @@ pub fn set_dense_cublas(on: bool) {
 
 /// `Y[M, n] = X[M, K] · D[n, K]ᵀ (+ bias[n]) (+ s · T·Bᵀ)` with a dense row-major `D` in `F`
 /// and the output in `O`, on the tensor-core kernel (with split-K where the output is small):
-/// the lm_head and the frozen weights of a BF16 model when many rows are decoded. With
-/// `QERL_DENSE_CUBLAS=1`, from [`cublas_min_m`] rows under the default strategy (or any rows
-/// under `QERL_GEMM=cublas`), cuBLAS where it runs.
+/// the lm_head and the frozen weights of a BF16 model when many rows are decoded. From
+/// [`cublas_min_m`] rows under the default strategy (or any rows under `QERL_GEMM=cublas`),
+/// cuBLAS where it runs, unless `QERL_DENSE_CUBLAS=0` ([`dense_cublas`]).
 /// Returns `Ok(false)`, launching nothing, where that kernel does not apply (no tensor cores
 /// for `F`, or `K` not a multiple of its stage); the caller then uses a portable product.
 #[allow(clippy::too_many_arguments)]
