@@ -9,9 +9,12 @@
 #     7b          8 prompts x G 8, 256 + 1,024 tokens, grad_accum 4 (target: peak <= 24 GB,
 #                 NVFP4 step >= 1.3x the BF16 LoRA step)
 #     7b-nockpt   the same without activation checkpointing (what checkpointing saves)
+#     7b-ga8      the same at grad_accum 8 (22.7 GB peak on an H100, 2026-11-27)
 #     32b         the paper's 32B settings: 1 prompt x G 8, 256 + 2,048 tokens, beta 0.04
 #     32b-context NVFP4 32B, synthetic rollouts: the longest completion whose step fits
-#                 (target: prompt + completion >= 8,192)
+#                 (target: prompt + completion >= 8,192; the search takes several calls)
+#     32b-8k      NVFP4 32B, 1 x 8 sequences of 256 + 7,936 tokens, grad_accum 4, synthetic
+#                 rollouts, no reference pass: one update at the 8,192-token target (~6 min)
 # Env: OUT (logs, default /tmp/out/train-bench), T (seconds per part, default 560),
 #   EXTRA (more `qerl bench train` arguments for every part).
 set -uo pipefail
@@ -42,7 +45,11 @@ run_part() {
     32b-context) args=(--shape qwen2.5-32b --precision nvfp4 --prompts 1 --group 8 --prompt-len 256
       --completion-len 2048 --grad-accum 1 --steps 1 --rollout synthetic --max-context
       --max-context-limit 32768) ;;
-    *) echo "unknown part \`$part\` (7b, 7b-nockpt, 32b, 32b-context)" >&2; return 2 ;;
+    7b-ga8) args=(--shape qwen2.5-7b --prompts 8 --group 8 --prompt-len 256 --completion-len 1024
+      --grad-accum 8 --steps 2) ;;
+    32b-8k) args=(--shape qwen2.5-32b --precision nvfp4 --prompts 1 --group 8 --prompt-len 256
+      --completion-len 7936 --grad-accum 4 --steps 1 --rollout synthetic --beta 0) ;;
+    *) echo "unknown part \`$part\` (7b, 7b-nockpt, 7b-ga8, 32b, 32b-context, 32b-8k)" >&2; return 2 ;;
   esac
   echo "== $part: qerl bench train ${args[*]} ${extra[*]}"
   local start=$SECONDS

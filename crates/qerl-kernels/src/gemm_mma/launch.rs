@@ -87,6 +87,7 @@ impl MmaOptions {
                 Some("table") => MmaDecode::Table,
                 Some("bits") => MmaDecode::Bits,
                 Some("pairs") => MmaDecode::Pairs,
+                Some("spread") => MmaDecode::Spread,
                 _ => MmaDecode::Auto,
             },
             warps_per_sm: var("QERL_MMA_WARPS_PER_SM")
@@ -117,22 +118,26 @@ pub enum MmaDecode {
     Bits,
     /// 256-entry table of code pairs, one pair multiply by the scale.
     Pairs,
-    /// The default: bit placement above 8 rows in bf16 (with 2xM warp tiles; at batch 64
-    /// 15.0-15.2 ms a decode step against 15.9-16.2 for the pair table with 2x8 tiles in four
-    /// H100 calls, at 16 and 32 rows 4% faster than the pair table with 4x2 and 4x4 tiles,
-    /// 2026-11-26/27), the pair table up to 8 rows.
+    /// Bit placement of codes `i` and `i + 4` of a word, half the instructions of `Bits`
+    /// (bf16 only; the table elsewhere).
+    Spread,
+    /// The default: spread bit placement above 8 rows in bf16, the pair table up to 8 rows.
+    /// On an H100 (2026-11-27, 7B decode, one warm machine) the spread placement took a
+    /// batch-64 step in 13.51 ms and a batch-256 step in 32.77 ms against 14.71 and 39.92 for
+    /// the byte placement (`Bits`, the default before), which had itself beaten the pair table
+    /// above 8 rows (batch 64: 15.0-15.2 ms against 15.9-16.2 in four calls, 2026-11-26/27).
     Auto,
 }
 
 impl MmaDecode {
     /// The concrete decodings (what [`MmaDecode::Auto`] chooses between, and the table).
-    pub const ALL: [MmaDecode; 3] = [Self::Table, Self::Bits, Self::Pairs];
+    pub const ALL: [MmaDecode; 4] = [Self::Table, Self::Bits, Self::Pairs, Self::Spread];
     pub const DEFAULT: MmaDecode = MmaDecode::Auto;
 
     /// The decoding `Auto` stands for at `m` rows.
     fn resolve(self, m: usize) -> MmaDecode {
         match self {
-            MmaDecode::Auto if m > 8 => MmaDecode::Bits,
+            MmaDecode::Auto if m > 8 => MmaDecode::Spread,
             MmaDecode::Auto => MmaDecode::Pairs,
             d => d,
         }
@@ -279,6 +284,8 @@ impl Geometry {
                 MmaDecode::Table => super::DECODE_TABLE,
                 MmaDecode::Bits if bf16 => super::DECODE_BITS,
                 MmaDecode::Bits => super::DECODE_TABLE,
+                MmaDecode::Spread if bf16 => super::DECODE_SPREAD,
+                MmaDecode::Spread => super::DECODE_TABLE,
                 MmaDecode::Pairs | MmaDecode::Auto => super::DECODE_PAIRS,
             },
         }
@@ -371,7 +378,7 @@ mod tests {
         let g = Geometry::plan(256, 37888, 3584, &o, 132, true);
         assert!(g.m_major);
         assert_eq!((g.grid.0, g.grid.1), (8, 37888usize.div_ceil(32 * 4)));
-        assert_eq!(g.decode, super::super::DECODE_BITS);
+        assert_eq!(g.decode, super::super::DECODE_SPREAD);
         let g = Geometry::plan(1, 4608, 3584, &o, 132, true);
         assert_eq!((g.r_tiles, g.m_tiles, g.m_major), (4, 1, false));
         assert_eq!(g.decode, super::super::DECODE_PAIRS);

@@ -26,7 +26,13 @@
 //!   multiplies (by 2^126 and by the block scale);
 //! * pairs: a 256-entry table of both codes of a byte as an exact `F` pair, one shared-memory
 //!   read and one pair multiply by the block scale (fewest instructions; reads of different
-//!   entries may share a bank).
+//!   entries may share a bank);
+//! * spread (bf16 only): the bits again, but for codes `i` and `i + 4` of a word, so one pair
+//!   takes two shifts and two masks for both codes (the two codes of a byte need four), with
+//!   2^63 of the 2^126 folded into the block scale and the rest onto the f32 sums after the
+//!   loop (powers of two: exact). The reduction order changes once more (a step's `mma`
+//!   columns are those pairs) and `X` follows it. On an H100 the bit placement of bytes took
+//!   ~10 instructions a pair and 677 a 64-deep chunk for 32 `mma` (SASS, 2x4 tiles, 2026-11-27).
 //!
 //! Split-K over whole chunks writes f32 partial sums that [`crate::splitk::reduce`] adds (with the
 //! bias); the LoRA term is one more reduction of depth `r` in slice 0, in the natural order.
@@ -47,11 +53,25 @@ pub(crate) const CHUNK: usize = 64;
 
 /// `2^126`: the factor between a bit-decoded E2M1 code and its value.
 const TWO_POW_126: f32 = 8.507_059e37;
+/// `2^63`: the spread decoding's split of that factor, half into the block scale (so the
+/// products stay normal bf16 numbers) and half onto the f32 sums after the loop.
+const TWO_POW_63: f32 = 9.223_372e18;
 
 /// E2M1 decodings ([`MmaDecode`](launch::MmaDecode)) as the kernel's comptime code.
 pub(crate) const DECODE_TABLE: u32 = 0;
 pub(crate) const DECODE_BITS: u32 = 1;
 pub(crate) const DECODE_PAIRS: u32 = 2;
+pub(crate) const DECODE_SPREAD: u32 = 3;
+
+/// Codes `i` and `i + 4` of an E2M1 word as a bf16 pair times `2^-126`, by two shifts and two
+/// masks for both (spread decoding, bf16 only): the three magnitude bits of each land on the
+/// exponent's two low bits and the mantissa's top bit, the sign bit on the sign.
+/// `i` is a constant wherever the kernel calls this (its loops are unrolled).
+#[cube]
+fn spread_bits(word: u32, i: u32) -> u32 {
+    let v = word >> (4u32 * i);
+    ((v << 6u32) & 0x01C0_01C0u32) | ((v << 12u32) & 0x8000_8000u32)
+}
 
 /// One E2M1 byte (low nibble first) as a pair of `F`, times `scale`.
 #[cube]
@@ -207,6 +227,8 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
     let mut b_frag = Array::<Vector<F, P>>::new(2usize);
     let mut scales = Array::<f32>::new(comptime!(2 * r_tiles));
     let mut scales_f = Array::<Vector<F, P>>::new(comptime!(2 * r_tiles));
+    // Spread decoding: each token tile's two X pairs of the current step.
+    let mut x_pairs = Array::<Vector<F, P>>::new(comptime!(2 * m_tiles));
 
     for c in c0..c1 {
         #[unroll]
@@ -247,10 +269,32 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
             let byte = (s_cur[j] >> (((b % 4) * 8) as u32)) & 0xffu32;
             let sv = stab[byte as usize];
             scales[j] = sv;
-            scales_f[j] = Vector::<F, P>::new(F::cast_from(sv));
+            if decode == DECODE_SPREAD {
+                scales_f[j] = Vector::<F, P>::new(F::cast_from(sv * TWO_POW_63));
+            } else {
+                scales_f[j] = Vector::<F, P>::new(F::cast_from(sv));
+            }
         }
         #[unroll]
         for s in 0..4usize {
+            // Spread: step s takes code pairs (i, i + 4) and (i + 1, i + 5) of word s / 2,
+            // i = 2 (s % 2), so its X pairs are the same columns, built once for every r.
+            let i0 = 2 * (s % 2);
+            if decode == DECODE_SPREAD {
+                #[unroll]
+                for mt in 0..m_tiles {
+                    let xa = xs[mt * 4 + 2 * (s / 2)];
+                    let xb = xs[mt * 4 + 2 * (s / 2) + 1];
+                    let mut p0 = Vector::<F, P>::empty();
+                    p0[0] = xa[i0];
+                    p0[1] = xb[i0];
+                    let mut p1 = Vector::<F, P>::empty();
+                    p1[0] = xa[i0 + 1];
+                    p1[1] = xb[i0 + 1];
+                    x_pairs[2 * mt] = p0;
+                    x_pairs[2 * mt + 1] = p1;
+                }
+            }
             #[unroll]
             for r in 0..r_tiles {
                 // A: rows g / g + 8 of tile r, columns 16t + 4s .. + 4 (two bytes of a word).
@@ -258,38 +302,60 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
                 for h in 0..2usize {
                     let j = 2 * r + h;
                     let word = w_cur[j][s / 2];
-                    let half = (word >> ((16 * (s % 2)) as u32)) & 0xffffu32;
-                    a_frag[h] = decode_pair::<F, P>(
-                        half & 0xffu32,
-                        scales[j],
-                        scales_f[j],
-                        &lut,
-                        &pairs,
-                        decode,
-                    );
-                    a_frag[2 + h] = decode_pair::<F, P>(
-                        half >> 8u32,
-                        scales[j],
-                        scales_f[j],
-                        &lut,
-                        &pairs,
-                        decode,
-                    );
+                    if decode == DECODE_SPREAD {
+                        let lo_bits = spread_bits(word, i0 as u32);
+                        let hi_bits = spread_bits(word, (i0 + 1) as u32);
+                        a_frag[h] = Vector::<F, P>::reinterpret(lo_bits) * scales_f[j];
+                        a_frag[2 + h] = Vector::<F, P>::reinterpret(hi_bits) * scales_f[j];
+                    } else {
+                        let half = (word >> ((16 * (s % 2)) as u32)) & 0xffffu32;
+                        a_frag[h] = decode_pair::<F, P>(
+                            half & 0xffu32,
+                            scales[j],
+                            scales_f[j],
+                            &lut,
+                            &pairs,
+                            decode,
+                        );
+                        a_frag[2 + h] = decode_pair::<F, P>(
+                            half >> 8u32,
+                            scales[j],
+                            scales_f[j],
+                            &lut,
+                            &pairs,
+                            decode,
+                        );
+                    }
                 }
                 #[unroll]
                 for mt in 0..m_tiles {
-                    let xv = xs[mt * 4 + s];
-                    let mut lo = Vector::<F, P>::empty();
-                    lo[0] = xv[0];
-                    lo[1] = xv[1];
-                    let mut hi = Vector::<F, P>::empty();
-                    hi[0] = xv[2];
-                    hi[1] = xv[3];
-                    b_frag[0] = lo;
-                    b_frag[1] = hi;
+                    if decode == DECODE_SPREAD {
+                        b_frag[0] = x_pairs[2 * mt];
+                        b_frag[1] = x_pairs[2 * mt + 1];
+                    } else {
+                        let xv = xs[mt * 4 + s];
+                        let mut lo = Vector::<F, P>::empty();
+                        lo[0] = xv[0];
+                        lo[1] = xv[1];
+                        let mut hi = Vector::<F, P>::empty();
+                        hi[0] = xv[2];
+                        hi[1] = xv[3];
+                        b_frag[0] = lo;
+                        b_frag[1] = hi;
+                    }
                     def.execute_inplace(&a_frag, &b_frag, acc.index_mut(r * m_tiles + mt));
                 }
             }
+        }
+    }
+
+    if decode == DECODE_SPREAD {
+        // The half of 2^126 the block scales did not carry (a power of two: exact).
+        #[unroll]
+        for i in 0..comptime!(r_tiles * m_tiles) {
+            let a = acc.index_mut(i);
+            a[0] = a[0] * Vector::<f32, P>::new(TWO_POW_63);
+            a[1] = a[1] * Vector::<f32, P>::new(TWO_POW_63);
         }
     }
 
