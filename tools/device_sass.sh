@@ -5,13 +5,14 @@
 # on (full source) and keeps the kernel cache there (empty, so every kernel is compiled and
 # logged), then compiles each kernel whose name matches PATTERN with nvcc for this GPU
 # (`-Xptxas -v`: registers, spills) and disassembles it (cuobjdump -sass).
-# There: bash tools/device_sass.sh QERL_BINARY   (writes $OUT/sass/NAME.{cu,sass,ptxas.txt})
+# There: bash tools/device_sass.sh QERL_BINARY   (writes NAME.{cu,sass,ptxas.txt} of each kernel
+#   into $OUT/sass.tgz: a device call brings back only a few files, so one archive)
 # Env: PATTERN (extended regex on kernel names, default gemv|gemm_mma), BATCHES (1,64),
 #   PRECISION (nvfp4), ARCH (sm_90).
 set -uo pipefail
 qerl=$(realpath "${1:?usage: tools/device_sass.sh QERL_BINARY}")
-out=${OUT:-/tmp/out}/sass
-mkdir -p "$out" /tmp/sass-run
+out=/tmp/sass-out
+rm -rf "$out" && mkdir -p "$out" /tmp/sass-run "${OUT:-/tmp/out}"
 cat > /tmp/sass-run/cubecl.toml <<'TOML'
 [compilation]
 cache = "local"
@@ -49,3 +50,4 @@ for cu in "$out"/*.cu; do
     "$(grep -cE '^\s+/\*[0-9a-f]{4}\*/' "$b.sass" 2>/dev/null) SASS instructions"
   rm -f "$b.cubin"
 done
+tar -czf "${OUT:-/tmp/out}/sass.tgz" -C "$out" . && echo "wrote ${OUT:-/tmp/out}/sass.tgz"
