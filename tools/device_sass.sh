@@ -46,7 +46,7 @@ for cu in "$out"/*.cu; do
   b=${cu%.cu}
   nvcc -cubin -arch="${ARCH:-sm_90}" -std=c++17 -Xptxas -v -o "$b.cubin" "$cu" > "$b.ptxas.txt" 2>&1 &&
     cuobjdump -sass "$b.cubin" > "$b.sass"
-  echo "$(basename "$b"): $(grep -oE 'Used [0-9]+ registers[^\n]*' "$b.ptxas.txt" | head -2 | tr '\n' ' ')" \
+  echo "$(basename "$b"): $(grep -oE 'Used [0-9]+ registers.*' "$b.ptxas.txt" | head -2 | tr '\n' ' ')" \
     "$(grep -cE '^\s+/\*[0-9a-f]+\*/' "$b.sass" 2>/dev/null) SASS instructions"
   rm -f "$b.cubin"
 done

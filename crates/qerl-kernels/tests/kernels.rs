@@ -707,8 +707,8 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
         // call that only changed one decoding then compiles a quarter of the kernels.
         let only = std::env::var("QERL_MMA_TEST_DECODE").ok();
         for decode in gemm::MmaDecode::ALL {
-            let bits_only = matches!(decode, gemm::MmaDecode::Bits | gemm::MmaDecode::Spread);
-            if (bits_only && !bf16)
+            let bf16_only = matches!(decode, gemm::MmaDecode::Bits | gemm::MmaDecode::Spread);
+            if (bf16_only && !bf16)
                 || only
                     .as_deref()
                     .is_some_and(|o| !format!("{decode:?}").eq_ignore_ascii_case(o))
