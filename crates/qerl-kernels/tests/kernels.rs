@@ -705,13 +705,24 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
         let want_lora = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), Some(&lref));
         // QERL_MMA_TEST_DECODE=spread (any decoding's name) checks that one alone: a device
         // call that only changed one decoding then compiles a quarter of the kernels.
+        // QERL_MMA_TEST_KERNEL=staged likewise checks one kernel (the staged one runs the
+        // spread decoding only).
         let only = std::env::var("QERL_MMA_TEST_DECODE").ok();
-        for decode in gemm::MmaDecode::ALL {
+        let only_kernel = std::env::var("QERL_MMA_TEST_KERNEL").ok();
+        let runs = gemm::MmaDecode::ALL.into_iter().flat_map(|d| {
+            gemm::MmaKernel::ALL
+                .into_iter()
+                .filter(move |k| d == gemm::MmaDecode::Spread || *k == gemm::MmaKernel::Direct)
+                .map(move |k| (d, k))
+        });
+        for (decode, kernel) in runs {
             let bf16_only = matches!(decode, gemm::MmaDecode::Bits | gemm::MmaDecode::Spread);
+            let named = |o: &Option<String>, v: String| {
+                o.as_deref().is_some_and(|o| !v.eq_ignore_ascii_case(o))
+            };
             if (bf16_only && !bf16)
-                || only
-                    .as_deref()
-                    .is_some_and(|o| !format!("{decode:?}").eq_ignore_ascii_case(o))
+                || named(&only, format!("{decode:?}"))
+                || named(&only_kernel, format!("{kernel:?}"))
             {
                 continue;
             }
@@ -721,6 +732,10 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
                         enabled: true,
                         tiles: t,
                         decode,
+                        kernel,
+                        // the staged kernel's ring of codes, shallow and deep
+                        prefetch: if t == Some((1, 1)) { 4 } else { 1 + ci % 3 },
+                        x_ahead: 1 + ci % 2,
                         warps_per_sm: gemm::MMA_DEFAULT_WARPS_PER_SM,
                         min_m: 1,
                         // 2x4 tiles also under 32 warps a cube (64 registers a thread)
@@ -729,7 +744,8 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
                     });
                     let _s = SplitGuard::force(splits);
                     let what = format!(
-                        "mma {format} M={m} N={n} K={k} tiles={t:?} {decode:?} splits={splits:?}"
+                        "mma {format} M={m} N={n} K={k} tiles={t:?} {decode:?} {kernel:?} \
+                         splits={splits:?}"
                     );
                     let y = poisoned::<R, F>(&c, m * n);
                     gemm::matmul::<R, F>(&c, &xh, m, &dw, None, None, &y).unwrap();

@@ -1,5 +1,6 @@
 //! When the decode-batch tensor-core product applies, its warp tiles, split-K and the launch.
 
+use super::staged::gemm_mma_staged_kernel;
 use super::{gemm_mma_kernel, CHUNK};
 use crate::device::DeviceWeight;
 use crate::splitk::{self, ReduceEpilogue};
@@ -36,8 +37,16 @@ pub struct MmaOptions {
     /// `(r_tiles, m_tiles)`: a warp's 16-row weight tiles and 8-token tiles; `None` picks by M
     /// (`QERL_MMA_TILES=4x2` etc. overrides).
     pub tiles: Option<(usize, usize)>,
-    /// How E2M1 codes become `F` (`QERL_MMA_DECODE=auto|table|bits|pairs`).
+    /// How E2M1 codes become `F` (`QERL_MMA_DECODE=auto|table|bits|pairs|spread`).
     pub decode: MmaDecode,
+    /// Where the `B` fragments come from (`QERL_MMA_KERNEL=auto|direct|staged`).
+    pub kernel: MmaKernel,
+    /// Chunks of codes the staged kernel keeps in flight, 1 to 4 (`QERL_MMA_PREFETCH`, default
+    /// [`DEFAULT_PREFETCH`]).
+    pub prefetch: usize,
+    /// Chunks of `X` the staged kernel loads ahead of the one it stores, 1 or 2
+    /// (`QERL_MMA_X_AHEAD`, default [`DEFAULT_X_AHEAD`]).
+    pub x_ahead: usize,
     /// Warps a multiprocessor should hold before the reduction is split
     /// (`QERL_MMA_WARPS_PER_SM`); 0, the default ([`DEFAULT_WARPS_PER_SM`]), picks by M:
     /// 12 up to 8 rows, 24 above.
@@ -69,6 +78,13 @@ fn split_target(m: usize, o: &MmaOptions) -> usize {
     }
 }
 
+/// Chunks of codes in flight in the staged kernel by default (3 and 2 were within noise of
+/// each other at batch 64 and 256 on an H100, 2026-11-27; 1 was slower at 256).
+pub const DEFAULT_PREFETCH: usize = 3;
+
+/// Chunks of `X` loaded ahead in the staged kernel by default.
+pub const DEFAULT_X_AHEAD: usize = 1;
+
 /// Fewest rows sent to this kernel by default.
 pub const DEFAULT_MIN_M: usize = 2;
 
@@ -90,6 +106,19 @@ impl MmaOptions {
                 Some("spread") => MmaDecode::Spread,
                 _ => MmaDecode::Auto,
             },
+            kernel: match var("QERL_MMA_KERNEL").as_deref() {
+                Some("direct") => MmaKernel::Direct,
+                Some("staged") => MmaKernel::Staged,
+                _ => MmaKernel::Auto,
+            },
+            prefetch: var("QERL_MMA_PREFETCH")
+                .and_then(|v| v.parse().ok())
+                .filter(|d| (1..=4).contains(d))
+                .unwrap_or(DEFAULT_PREFETCH),
+            x_ahead: var("QERL_MMA_X_AHEAD")
+                .and_then(|v| v.parse().ok())
+                .filter(|d| (1..=2).contains(d))
+                .unwrap_or(DEFAULT_X_AHEAD),
             warps_per_sm: var("QERL_MMA_WARPS_PER_SM")
                 .and_then(|v| v.parse().ok())
                 .filter(|w| (0..=64).contains(w))
@@ -144,6 +173,24 @@ impl MmaDecode {
     }
 }
 
+/// Which kernel multiplies: each warp loading its own `X` ([`MmaKernel::Direct`]), or the cube
+/// staging `X` through shared memory once ([`MmaKernel::Staged`], `gemm_mma/staged.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MmaKernel {
+    /// Every warp loads `X` from global memory and builds its `B` fragments.
+    Direct,
+    /// `X` copied into shared memory in fragment order once per cube and chunk (bf16 with the
+    /// spread decoding only; the direct kernel elsewhere).
+    Staged,
+    /// The default: staged wherever it applies.
+    Auto,
+}
+
+impl MmaKernel {
+    pub const ALL: [MmaKernel; 2] = [Self::Direct, Self::Staged];
+    pub const DEFAULT: MmaKernel = MmaKernel::Auto;
+}
+
 fn valid_tiles(r: usize, m: usize) -> bool {
     [1, 2, 4].contains(&r) && [1, 2, 4, 8].contains(&m)
 }
@@ -161,6 +208,14 @@ pub fn set_options(options: MmaOptions) {
     assert!(
         options.tiles.is_none_or(|(r, m)| valid_tiles(r, m)),
         "MmaOptions::tiles: r_tiles in {{1, 2, 4}}, m_tiles in {{1, 2, 4, 8}}"
+    );
+    assert!(
+        (1..=4).contains(&options.prefetch),
+        "MmaOptions::prefetch: 1 to 4"
+    );
+    assert!(
+        (1..=2).contains(&options.x_ahead),
+        "MmaOptions::x_ahead: 1 or 2"
     );
     assert!(
         (1..=32).contains(&options.warps_per_cube),
@@ -204,9 +259,20 @@ pub(crate) fn applies<R: Runtime, F: Float>(
 /// H100 with the decoding [`MmaDecode::Auto`] picks (docs/benchmarks/rollout.md, session 10):
 /// 2x2 at 16 rows 8.27 ms a step (4x2 8.48), 2x4 at 32 rows 9.86 (4x4 10.45), 2x4 at 64
 /// rows 14.97 (2x8 16.45, 4x4 15.64).
-fn pick_tiles(m: usize, o: &MmaOptions) -> (usize, usize) {
+fn pick_tiles(m: usize, o: &MmaOptions, staged: bool) -> (usize, usize) {
     if let Some(t) = o.tiles {
         return t;
+    }
+    if staged {
+        // One decoded A fragment feeds every token tile of the cube's copy: up to 64 tokens.
+        // Above 32 rows one 16-row tile a warp: on an H100 (2026-11-27, ncu, 7B decode at batch
+        // 64) its products took 6.47 ms of GPU time a step against 7.31 with 2x8 (and 7.84 for
+        // the direct kernel's 2x4): twice the row groups, half the split-K, fewer registers.
+        return match m {
+            0..=16 => (2, 2),
+            17..=32 => (2, 4),
+            _ => (1, 8),
+        };
     }
     match m {
         0..=8 => (4, 1),
@@ -252,6 +318,10 @@ struct Geometry {
     m_major: bool,
     per: usize,
     decode: u32,
+    /// `X` through shared memory ([`MmaKernel::Staged`]).
+    staged: bool,
+    prefetch: usize,
+    x_ahead: usize,
 }
 
 impl Geometry {
@@ -259,7 +329,16 @@ impl Geometry {
     /// `sms` multiprocessors; `bf16`: the activations are bf16 (the bit placement is exact
     /// for bf16 only).
     fn plan(m: usize, n: usize, k: usize, o: &MmaOptions, sms: usize, bf16: bool) -> Geometry {
-        let (r_tiles, m_tiles) = pick_tiles(m, o);
+        let decode = match o.decode.resolve(m) {
+            MmaDecode::Table => super::DECODE_TABLE,
+            MmaDecode::Bits if bf16 => super::DECODE_BITS,
+            MmaDecode::Bits => super::DECODE_TABLE,
+            MmaDecode::Spread if bf16 => super::DECODE_SPREAD,
+            MmaDecode::Spread => super::DECODE_TABLE,
+            MmaDecode::Pairs | MmaDecode::Auto => super::DECODE_PAIRS,
+        };
+        let staged = decode == super::DECODE_SPREAD && o.kernel != MmaKernel::Direct;
+        let (r_tiles, m_tiles) = pick_tiles(m, o, staged);
         let row_groups = n.div_ceil(16 * r_tiles);
         let m_groups = m.div_ceil(8 * m_tiles);
         let target = split_target(m, o) * sms;
@@ -280,14 +359,10 @@ impl Geometry {
             },
             m_major,
             per,
-            decode: match o.decode.resolve(m) {
-                MmaDecode::Table => super::DECODE_TABLE,
-                MmaDecode::Bits if bf16 => super::DECODE_BITS,
-                MmaDecode::Bits => super::DECODE_TABLE,
-                MmaDecode::Spread if bf16 => super::DECODE_SPREAD,
-                MmaDecode::Spread => super::DECODE_TABLE,
-                MmaDecode::Pairs | MmaDecode::Auto => super::DECODE_PAIRS,
-            },
+            decode,
+            staged,
+            prefetch: o.prefetch,
+            x_ahead: o.x_ahead,
         }
     }
 
@@ -310,6 +385,43 @@ impl Geometry {
             (u.clone(), u, 0, 0.0)
         });
         let count = CubeCount::Static(self.grid.0 as u32, self.grid.1 as u32, self.grid.2 as u32);
+        if self.staged {
+            // SAFETY: as below; `X` is read as 16-byte vectors (K is a multiple of 64).
+            unsafe {
+                gemm_mma_staged_kernel::launch_unchecked::<F, O, R>(
+                    client,
+                    count,
+                    CubeDim::new_1d((32 * self.warps) as u32),
+                    2,
+                    4,
+                    ArrayArg::from_raw_parts(x.clone(), m * k / 8),
+                    ArrayArg::from_raw_parts(weight.codes.clone(), weight.words() / 2),
+                    ArrayArg::from_raw_parts(weight.scale_bytes.clone(), weight.scale_words()),
+                    ArrayArg::from_raw_parts(weight.scale_table.clone(), weight.scale_table_len()),
+                    ArrayArg::from_raw_parts(bias, n),
+                    ArrayArg::from_raw_parts(t, m * rank.max(1)),
+                    ArrayArg::from_raw_parts(b, (n * rank / 2).max(1)),
+                    ArrayArg::from_raw_parts(y.clone(), self.grid.2 * m * n),
+                    m as u32,
+                    n as u32,
+                    k as u32,
+                    self.per as u32,
+                    rank as u32,
+                    scale,
+                    self.warps,
+                    self.r_tiles,
+                    self.m_tiles,
+                    weight.block(),
+                    self.prefetch,
+                    self.x_ahead,
+                    has_bias,
+                    has_lora,
+                    self.grid.2 > 1,
+                    self.m_major,
+                );
+            }
+            return;
+        }
         // SAFETY: the caller checked x (M*K), y (splits*M*N of O), bias (N), T (M*r), B (N*r)
         // and `applies` (K a multiple of 64, even rank); the kernel bounds rows by N, tokens by
         // M, chunks by K / 64 and LoRA columns by the rank.
@@ -358,6 +470,9 @@ mod tests {
             enabled: true,
             tiles: None,
             decode: MmaDecode::Auto,
+            kernel: MmaKernel::Auto,
+            prefetch: DEFAULT_PREFETCH,
+            x_ahead: DEFAULT_X_AHEAD,
             warps_per_sm: DEFAULT_WARPS_PER_SM,
             min_m: DEFAULT_MIN_M,
             warps_per_cube: DEFAULT_WARPS_PER_CUBE,
@@ -372,19 +487,28 @@ mod tests {
         let o = defaults();
         // 7B gate/up: N = 37888, K = 3584, 132 multiprocessors (an H100 SXM)
         let g = Geometry::plan(64, 37888, 3584, &o, 132, true);
+        assert_eq!((g.r_tiles, g.m_tiles), (1, 8));
+        assert!(g.staged && !g.m_major);
+        assert_eq!((g.grid.0, g.grid.1), (37888usize.div_ceil(16 * 4), 1));
+        let direct = MmaOptions {
+            kernel: MmaKernel::Direct,
+            ..o
+        };
+        let g = Geometry::plan(64, 37888, 3584, &direct, 132, true);
         assert_eq!((g.r_tiles, g.m_tiles), (2, 4));
-        assert!(!g.m_major);
+        assert!(!g.staged && !g.m_major);
         assert_eq!((g.grid.0, g.grid.1), (37888usize.div_ceil(32 * 4), 2));
         let g = Geometry::plan(256, 37888, 3584, &o, 132, true);
         assert!(g.m_major);
-        assert_eq!((g.grid.0, g.grid.1), (8, 37888usize.div_ceil(32 * 4)));
+        assert_eq!((g.grid.0, g.grid.1), (4, 37888usize.div_ceil(16 * 4)));
         assert_eq!(g.decode, super::super::DECODE_SPREAD);
         let g = Geometry::plan(1, 4608, 3584, &o, 132, true);
         assert_eq!((g.r_tiles, g.m_tiles, g.m_major), (4, 1, false));
         assert_eq!(g.decode, super::super::DECODE_PAIRS);
+        assert!(!g.staged);
         // the bit placement only for bf16
         let g = Geometry::plan(100, 512, 3584, &o, 132, false);
-        assert!(g.m_major);
+        assert!(g.m_major && !g.staged);
         assert_eq!(g.decode, super::super::DECODE_TABLE);
     }
 

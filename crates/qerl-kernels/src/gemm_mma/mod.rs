@@ -38,11 +38,12 @@
 //! bias); the LoRA term is one more reduction of depth `r` in slice 0, in the natural order.
 
 mod launch;
+mod staged;
 
 pub(crate) use launch::{applies, launch};
 pub use launch::{
-    launches, options, set_options, MmaDecode, MmaOptions, DEFAULT_MAX_M, DEFAULT_WARPS_PER_SM,
-    MAX_M_LIMIT,
+    launches, options, set_options, MmaDecode, MmaKernel, MmaOptions, DEFAULT_MAX_M,
+    DEFAULT_PREFETCH, DEFAULT_WARPS_PER_SM, DEFAULT_X_AHEAD, MAX_M_LIMIT,
 };
 
 use cubecl::cmma::MmaDefinition;
@@ -220,6 +221,7 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
         &mut s_next,
         r_tiles,
         block,
+        0usize,
     );
 
     let mut xs = Array::<Vector<F, Q>>::new(comptime!(4 * m_tiles));
@@ -248,6 +250,7 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
             &mut s_next,
             r_tiles,
             block,
+            0usize,
         );
         // Tokens 8·mt + g: columns 16t + 4s .. + 4 of this chunk.
         #[unroll]
@@ -411,8 +414,8 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
     }
 }
 
-/// Issues the loads of chunk `c` (when `live`): each row's 8 bytes of codes and the scale word
-/// holding its block's scale byte.
+/// Issues the loads of chunk `c` (when `live`) into `w[at + j]`, `s[at + j]`: each row's 8
+/// bytes of codes and the scale word holding its block's scale byte.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_chunk<P: Size>(
@@ -427,15 +430,16 @@ fn load_chunk<P: Size>(
     s: &mut Array<u32>,
     #[comptime] r_tiles: usize,
     #[comptime] block: usize,
+    #[comptime] at: usize,
 ) {
     #[unroll]
     for j in 0..comptime!(2 * r_tiles) {
         if live && row_ok[j] {
-            w[j] = codes[row_pair0[j] + c * 4];
-            s[j] = scale_bytes[(row_elem0[j] + c * CHUNK) / block / 4];
+            w[at + j] = codes[row_pair0[j] + c * 4];
+            s[at + j] = scale_bytes[(row_elem0[j] + c * CHUNK) / block / 4];
         } else {
-            w[j] = Vector::<u32, P>::new(0u32);
-            s[j] = 0u32;
+            w[at + j] = Vector::<u32, P>::new(0u32);
+            s[at + j] = 0u32;
         }
     }
 }

@@ -1,0 +1,414 @@
+//! The decode-batch product with `X` staged through shared memory once per cube ("staged";
+//! bf16, spread decoding only): what the direct kernel ([`super::gemm_mma_kernel`]) spends most
+//! of its instructions on, it does once per cube instead of once per warp and step.
+//!
+//! Why: the direct kernel's warps each load their tokens' `X` from global memory (L1) and build
+//! every `B` fragment of the spread order with a byte permute per register, and with 2x4 tiles
+//! they decode each weight once per 32 tokens; on an H100 its SASS was ~23 instructions for each
+//! `mma` (2026-11-27), so it is bound by issue. Here, for each 64-deep chunk:
+//! * the cube's threads copy the chunk of its `8·m_tiles` tokens into shared memory in
+//!   *fragment order*: each lane's two `B` registers of step `s` and token tile `mt` are one
+//!   8-byte word at `(mt·4 + s)·32 + lane` (a warp reads 256 contiguous bytes: no bank
+//!   conflict), the spread permutation (`x_i, x_{i+4}` pairs) applied once while copying;
+//! * each warp decodes its `16·r_tiles` weight rows exactly as the spread decoding does and
+//!   feeds each decoded `A` fragment to `m_tiles` token tiles (up to 8: 64 tokens), so at 64
+//!   rows every weight is decoded once.
+//! Two shared buffers alternate: the copy of chunk `c + 1` is loaded into registers before
+//! chunk `c` is multiplied and stored after, with one barrier a chunk. The codes are loaded
+//! `depth` chunks ahead (comptime, 1 to 4), so that a warp keeps several kilobytes of weight
+//! in flight: one chunk was not enough to cover the memory's latency; `X` is loaded
+//! `x_ahead` chunks ahead (comptime, 1 or 2) for the same reason.
+//!
+//! The `mma` columns, the reduction order and so every rounding are those of the direct kernel
+//! with the spread decoding: only where `B` comes from changed.
+
+use super::{load_chunk, lora_stages, spread_bits, CHUNK, TWO_POW_63};
+use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::*;
+
+/// `Y[M, N] = X[M, K] · deq(W)ᵀ (+ bias) (+ s·T·Bᵀ)` (see the module documentation); `P` is 2
+/// (pairs, code words of a row's chunk), `Q` is 4 (16-byte loads of `X`).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_mma_staged_kernel<F: Float, O: Float, P: Size, Q: Size>(
+    x: &Array<Vector<u32, Q>>,
+    codes: &Array<Vector<u32, P>>,
+    scale_bytes: &Array<u32>,
+    scale_table: &Array<f32>,
+    bias: &Array<F>,
+    lora_t: &Array<f32>,
+    lora_b: &Array<Vector<F, P>>,
+    y: &mut Array<O>,
+    m_rows: u32,
+    n_cols: u32,
+    k_dim: u32,
+    split_chunks: u32,
+    rank: u32,
+    lora_scale: f32,
+    #[comptime] warps: usize,
+    #[comptime] r_tiles: usize,
+    #[comptime] m_tiles: usize,
+    #[comptime] block: usize,
+    #[comptime] depth: usize,
+    #[comptime] x_ahead: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+    #[comptime] split: bool,
+    #[comptime] m_major: bool,
+) {
+    let tid = UNIT_POS as usize;
+    let lane = tid % 32;
+    let g = lane / 4;
+    let t = lane % 4;
+    let m_rows = m_rows as usize;
+    let n_cols = n_cols as usize;
+    let k_dim = k_dim as usize;
+
+    let mut stab = SharedMemory::<f32>::new(256usize);
+    let mut i = tid;
+    while i < 256 {
+        stab[i] = scale_table[i];
+        i += comptime!(32 * warps);
+    }
+    // Two buffers of the chunk's `X` in fragment order: `m_tiles · 4` steps of 32 lanes.
+    let frag_words = comptime!(m_tiles * 4 * 32);
+    let mut xs = SharedMemory::<Vector<u32, P>>::new(comptime!(2 * m_tiles * 4 * 32));
+
+    let mut cube_n = CUBE_POS_X as usize;
+    let mut cube_m = CUBE_POS_Y as usize;
+    if m_major {
+        cube_n = CUBE_POS_Y as usize;
+        cube_m = CUBE_POS_X as usize;
+    }
+    let n0 = (cube_n * warps + tid / 32) * comptime!(16 * r_tiles);
+    let m0 = cube_m * comptime!(8 * m_tiles);
+    // A warp past the last row still copies `X` and meets every barrier; it skips the rest.
+    let warp_live = n0 < n_cols;
+    let chunks = k_dim / CHUNK;
+    let mut c0 = 0usize;
+    let mut c1 = chunks;
+    let mut out0 = 0usize;
+    if split {
+        let z = CUBE_POS_Z as usize;
+        c0 = min(z * split_chunks as usize, chunks);
+        c1 = min(c0 + split_chunks as usize, chunks);
+        out0 = z * m_rows * n_cols;
+    }
+
+    // The copy: item q of a chunk is the 8-column group q % 8 of token q / 8 (16 bytes).
+    let items = comptime!(m_tiles * 8 * 8);
+    let per_thread = comptime!((m_tiles * 64).div_ceil(32 * warps));
+    let x_vecs_per_row = k_dim / 8;
+    // `X` of `x_ahead + 1` chunks in registers: slot 0 is chunk c + 1 (stored after chunk c is
+    // multiplied), slot d chunk c + 1 + d.
+    let mut xq = Array::<Vector<u32, Q>>::new(comptime!((x_ahead + 1) * per_thread));
+    load_x::<Q>(
+        x,
+        &mut xq,
+        tid,
+        m0,
+        m_rows,
+        x_vecs_per_row,
+        c0,
+        c0 < c1,
+        items,
+        per_thread,
+        warps,
+        0usize,
+    );
+    store_x::<P, Q>(&xq, &mut xs, tid, 0, items, per_thread, warps, 0usize);
+    #[unroll]
+    for d in 0..x_ahead {
+        load_x::<Q>(
+            x,
+            &mut xq,
+            tid,
+            m0,
+            m_rows,
+            x_vecs_per_row,
+            c0 + 1 + d,
+            c0 + 1 + d < c1,
+            items,
+            per_thread,
+            warps,
+            comptime!(d * per_thread),
+        );
+    }
+
+    // Rows g and g + 8 of each 16-row tile: where their codes, scales and tokens are.
+    let pairs_per_row = k_dim / 16;
+    let mut row_ok = Array::<bool>::new(comptime!(2 * r_tiles));
+    let mut row_pair0 = Array::<usize>::new(comptime!(2 * r_tiles));
+    let mut row_elem0 = Array::<usize>::new(comptime!(2 * r_tiles));
+    #[unroll]
+    for j in 0..comptime!(2 * r_tiles) {
+        let n = n0 + (j / 2) * 16 + (j % 2) * 8 + g;
+        row_ok[j] = n < n_cols;
+        row_pair0[j] = n * pairs_per_row + t;
+        row_elem0[j] = n * k_dim + 16 * t;
+    }
+
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let mut acc = Sequence::<Array<Vector<f32, P>>>::new();
+    #[unroll]
+    for _ in 0..comptime!(r_tiles * m_tiles) {
+        let mut a = Array::<Vector<f32, P>>::new(2usize);
+        a[0] = Vector::<f32, P>::new(0.0f32);
+        a[1] = Vector::<f32, P>::new(0.0f32);
+        acc.push(a);
+    }
+
+    // Codes and scale words of `depth + 1` chunks: slot 0 is the chunk being multiplied, slot
+    // d the one d chunks ahead (in flight).
+    let rows = comptime!(2 * r_tiles);
+    let mut wq = Array::<Vector<u32, P>>::new(comptime!((depth + 1) * 2 * r_tiles));
+    let mut sq = Array::<u32>::new(comptime!((depth + 1) * 2 * r_tiles));
+    #[unroll]
+    for d in 0..depth {
+        load_chunk::<P>(
+            codes,
+            scale_bytes,
+            &row_ok,
+            &row_pair0,
+            &row_elem0,
+            c0 + d,
+            warp_live && c0 + d < c1,
+            &mut wq,
+            &mut sq,
+            r_tiles,
+            block,
+            comptime!((d + 1) * 2 * r_tiles),
+        );
+    }
+    let mut a_frag = Array::<Vector<F, P>>::new(comptime!(4 * r_tiles));
+    let mut b_frag = Array::<Vector<F, P>>::new(2usize);
+    let mut scales_f = Array::<Vector<F, P>>::new(comptime!(2 * r_tiles));
+    sync_cube();
+
+    let mut buf = 0usize;
+    for c in c0..c1 {
+        #[unroll]
+        for j in 0..comptime!(depth * 2 * r_tiles) {
+            wq[j] = wq[j + rows];
+            sq[j] = sq[j + rows];
+        }
+        load_chunk::<P>(
+            codes,
+            scale_bytes,
+            &row_ok,
+            &row_pair0,
+            &row_elem0,
+            c + depth,
+            warp_live && c + depth < c1,
+            &mut wq,
+            &mut sq,
+            r_tiles,
+            block,
+            comptime!(depth * 2 * r_tiles),
+        );
+        load_x::<Q>(
+            x,
+            &mut xq,
+            tid,
+            m0,
+            m_rows,
+            x_vecs_per_row,
+            c + 1 + x_ahead,
+            c + 1 + x_ahead < c1,
+            items,
+            per_thread,
+            warps,
+            comptime!(x_ahead * per_thread),
+        );
+        if warp_live {
+            // One block scale per row for the lane's 16 codes, with 2^63 of the placement's
+            // 2^126 (the products stay normal bf16 numbers).
+            #[unroll]
+            for j in 0..comptime!(2 * r_tiles) {
+                let b = (row_elem0[j] + c * CHUNK) / block;
+                let byte = (sq[j] >> (((b % 4) * 8) as u32)) & 0xffu32;
+                scales_f[j] = Vector::<F, P>::new(F::cast_from(stab[byte as usize] * TWO_POW_63));
+            }
+            let base = buf * frag_words;
+            #[unroll]
+            for s in 0..4usize {
+                // Step s: code pairs (i0, i0 + 4) and (i0 + 1, i0 + 5) of word s / 2.
+                let i0 = 2 * (s % 2);
+                #[unroll]
+                for r in 0..r_tiles {
+                    #[unroll]
+                    for h in 0..2usize {
+                        let j = 2 * r + h;
+                        let word = wq[j][s / 2];
+                        a_frag[4 * r + h] =
+                            Vector::<F, P>::reinterpret(spread_bits(word, i0 as u32)) * scales_f[j];
+                        a_frag[4 * r + 2 + h] =
+                            Vector::<F, P>::reinterpret(spread_bits(word, (i0 + 1) as u32))
+                                * scales_f[j];
+                    }
+                }
+                #[unroll]
+                for mt in 0..m_tiles {
+                    let bw = xs[base + (mt * 4 + s) * 32 + lane];
+                    b_frag[0] = Vector::<F, P>::reinterpret(bw[0]);
+                    b_frag[1] = Vector::<F, P>::reinterpret(bw[1]);
+                    #[unroll]
+                    for r in 0..r_tiles {
+                        let mut a = Array::<Vector<F, P>>::new(4usize);
+                        #[unroll]
+                        for q in 0..4usize {
+                            a[q] = a_frag[4 * r + q];
+                        }
+                        def.execute_inplace(&a, &b_frag, acc.index_mut(r * m_tiles + mt));
+                    }
+                }
+            }
+        }
+        buf = 1 - buf;
+        store_x::<P, Q>(
+            &xq,
+            &mut xs,
+            tid,
+            buf * frag_words,
+            items,
+            per_thread,
+            warps,
+            0usize,
+        );
+        #[unroll]
+        for j in 0..comptime!(x_ahead * per_thread) {
+            xq[j] = xq[j + per_thread];
+        }
+        sync_cube();
+    }
+
+    if !warp_live {
+        terminate!();
+    }
+    // The half of 2^126 the block scales did not carry (a power of two: exact).
+    #[unroll]
+    for i in 0..comptime!(r_tiles * m_tiles) {
+        let a = acc.index_mut(i);
+        a[0] = a[0] * Vector::<f32, P>::new(TWO_POW_63);
+        a[1] = a[1] * Vector::<f32, P>::new(TWO_POW_63);
+    }
+
+    if has_lora {
+        let mut here = true;
+        if split {
+            here = CUBE_POS_Z == 0;
+        }
+        if here {
+            lora_stages::<F, P>(
+                lora_t,
+                lora_b,
+                &row_ok,
+                n0,
+                g,
+                t,
+                m0,
+                m_rows,
+                rank as usize,
+                lora_scale,
+                &def,
+                &mut acc,
+                r_tiles,
+                m_tiles,
+            );
+        }
+    }
+
+    // Accumulator of tile (r, mt): rows g, g + 8 of the weight tile (output columns), token
+    // columns 2t, 2t + 1.
+    #[unroll]
+    for r in 0..r_tiles {
+        #[unroll]
+        for mt in 0..m_tiles {
+            let a = acc.index(r * m_tiles + mt);
+            #[unroll]
+            for h in 0..2usize {
+                let n = n0 + r * 16 + h * 8 + g;
+                let v = a[h];
+                #[unroll]
+                for e in 0..2usize {
+                    let m = m0 + mt * 8 + 2 * t + e;
+                    if n < n_cols && m < m_rows {
+                        let mut out = v[e];
+                        if has_bias {
+                            out += f32::cast_from(bias[n]);
+                        }
+                        y[out0 + m * n_cols + n] = O::cast_from(out);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// This thread's items of chunk `c` of the cube's tokens into `out[at ..]` (zeros past `M` or
+/// when not `live`):
+/// item `q = tid + u·threads` is columns `8·(q % 8) .. + 8` of the chunk for token `q / 8`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_x<Q: Size>(
+    x: &Array<Vector<u32, Q>>,
+    out: &mut Array<Vector<u32, Q>>,
+    tid: usize,
+    m0: usize,
+    m_rows: usize,
+    x_vecs_per_row: usize,
+    c: usize,
+    live: bool,
+    #[comptime] items: usize,
+    #[comptime] per_thread: usize,
+    #[comptime] warps: usize,
+    #[comptime] at: usize,
+) {
+    #[unroll]
+    for u in 0..per_thread {
+        let q = tid + u * comptime!(32 * warps);
+        let m = m0 + q / 8;
+        let mut v = Vector::<u32, Q>::new(0u32);
+        if live && q < items && m < m_rows {
+            v = x[m * x_vecs_per_row + c * 8 + q % 8];
+        }
+        out[at + u] = v;
+    }
+}
+
+/// Writes this thread's items into the buffer at `base` in fragment order: the 8 columns
+/// `x0 .. x7` of group `j` of token `m` become the pairs `(x0, x4), (x1, x5)` of step
+/// `2·(j % 2)` and `(x2, x6), (x3, x7)` of step `2·(j % 2) + 1`, for lane
+/// `(m % 8)·4 + j / 2` of token tile `m / 8`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_x<P: Size, Q: Size>(
+    vals: &Array<Vector<u32, Q>>,
+    xs: &mut SharedMemory<Vector<u32, P>>,
+    tid: usize,
+    base: usize,
+    #[comptime] items: usize,
+    #[comptime] per_thread: usize,
+    #[comptime] warps: usize,
+    #[comptime] at: usize,
+) {
+    #[unroll]
+    for u in 0..per_thread {
+        let q = tid + u * comptime!(32 * warps);
+        if q < items {
+            let m = q / 8;
+            let j = q % 8;
+            let v = vals[at + u];
+            let lane = (m % 8) * 4 + j / 2;
+            let at = base + ((m / 8) * 4 + 2 * (j % 2)) * 32 + lane;
+            let mut lo = Vector::<u32, P>::empty();
+            lo[0] = (v[0] & 0xffffu32) | (v[2] << 16u32);
+            lo[1] = (v[0] >> 16u32) | (v[2] & 0xffff_0000u32);
+            let mut hi = Vector::<u32, P>::empty();
+            hi[0] = (v[1] & 0xffffu32) | (v[3] << 16u32);
+            hi[1] = (v[1] >> 16u32) | (v[3] & 0xffff_0000u32);
+            xs[at] = lo;
+            xs[at + 32] = hi;
+        }
+    }
+}
