@@ -293,6 +293,13 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
             let live = occupant.iter().rposition(Option::is_some);
             let Some(last) = live else { break };
             let rows = last + 1;
+            // A slot's row sits at position prompt + generated - 1; one more for safety.
+            let context = occupant
+                .iter()
+                .flatten()
+                .map(|&(r, gen)| requests[r].prompt.len() + gen + 1)
+                .max()
+                .unwrap_or(self.config.capacity);
             let pass = Pass {
                 rows,
                 tokens: &state.tokens,
@@ -300,6 +307,7 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
                 pos: &state.pos,
                 logit_index: &self.identity,
                 logit_count: rows,
+                context,
             };
             forward::<R, F>(&c, &self.weights, &self.cos_sin, &self.kv, &self.ws, &pass)?;
             sample(
@@ -454,6 +462,7 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
                 pos: &ph,
                 logit_index: &ih,
                 logit_count: count.min(this.ws.logit_rows),
+                context: pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1),
             };
             forward::<R, F>(&c, &this.weights, &this.cos_sin, &this.kv, &this.ws, &pass)?;
             this.stats.prefill_passes += 1;

@@ -104,6 +104,9 @@ pub(crate) struct Pass<'a> {
     pub pos: &'a Handle,
     pub logit_index: &'a Handle,
     pub logit_count: usize,
+    /// No row's position is at or past this (`max pos + 1`; the cache capacity when unknown):
+    /// attention's split covers `0..context` only.
+    pub context: usize,
 }
 
 /// Enqueues one pass; the logits of the selected rows land in `ws.logits`.
@@ -135,6 +138,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         head_dim: s.head_dim,
         capacity: kv.capacity,
         slots: kv.slots,
+        context: p.context.min(kv.capacity),
     };
     for (l, layer) in w.layers.iter().enumerate() {
         let residual = (l > 0).then_some(&ws.d);

@@ -192,19 +192,22 @@ fn rope_then_attention(q_heads: usize, kv_heads: usize, hd: usize) {
         max_positions: cap,
     };
     rope_kv::<R, f32>(&c, rs, &qh, &kh, &vh, &slh, &ph, &ch, &sh, &kch, &vch);
-    let ash = AttentionShape {
-        rows: m,
-        q_heads,
-        kv_heads,
-        head_dim: hd,
-        capacity: cap,
-        slots,
-    };
-    // Unsplit, split in two and three spans (the last one past some rows' context), the plan.
+    // Unsplit, split in two and three spans (the last one past some rows' context), the plan;
+    // spans over the whole capacity and over the longest row's context only (141 positions).
     let scratch = AttentionScratch::new(&c, q_heads, kv_heads, hd, 12);
-    let outs: Vec<(Option<usize>, Handle)> = [Some(1), Some(2), Some(3), None]
+    let outs: Vec<(Option<usize>, Handle)> = [cap, 141]
         .into_iter()
-        .map(|splits| {
+        .flat_map(|context| [Some(1), Some(2), Some(3), None].map(|s| (context, s)))
+        .map(|(context, splits)| {
+            let ash = AttentionShape {
+                rows: m,
+                q_heads,
+                kv_heads,
+                head_dim: hd,
+                capacity: cap,
+                slots,
+                context,
+            };
             let out = nan(&c, m * q_heads * hd);
             attention::<R, f32>(&c, ash, &qh, &kch, &vch, &slh, &ph, &out, &scratch, splits);
             (splits, out)

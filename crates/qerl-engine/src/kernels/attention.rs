@@ -339,7 +339,21 @@ pub struct AttentionShape {
     pub head_dim: usize,
     pub capacity: usize,
     pub slots: usize,
+    /// Positions any row of the launch attends to at most (`pos + 1`, at most `capacity`):
+    /// the spans of a split cover `0..context`, so a short context early in a long rollout
+    /// is not cut by the capacity. `capacity` when unknown.
+    pub context: usize,
 }
+
+impl AttentionShape {
+    /// The context the spans cover: `context` within `1..=capacity`.
+    fn covered(&self) -> usize {
+        self.context.clamp(1, self.capacity.max(1))
+    }
+}
+
+/// Cubes per multiprocessor the split aims for by default.
+pub const CUBES_PER_SM: usize = 2;
 
 /// Most spans one (row, key-value head) is cut into.
 pub const MAX_SPLITS: usize = UNITS as usize;
@@ -375,7 +389,8 @@ impl AttentionScratch {
         }
     }
 
-    /// The default target: two cubes per multiprocessor of this device.
+    /// The default target: [`CUBES_PER_SM`] cubes per multiprocessor of this device
+    /// (`QERL_ATTN_CUBES_PER_SM` overrides, 1 to 32).
     pub fn target_for<R: Runtime>(client: &ComputeClient<R>) -> usize {
         let sms = client
             .properties()
@@ -383,15 +398,20 @@ impl AttentionScratch {
             .num_streaming_multiprocessors
             .unwrap_or(32)
             .max(1) as usize;
-        2 * sms
+        let per_sm = std::env::var("QERL_ATTN_CUBES_PER_SM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|c| (1..=32).contains(c))
+            .unwrap_or(CUBES_PER_SM);
+        per_sm * sms
     }
 
     /// Splits for `rows` rows: enough to reach the target, at most one per tile of the
-    /// capacity, within the scratch.
+    /// context, within the scratch.
     pub fn splits(&self, s: &AttentionShape) -> usize {
         let base = (s.rows * s.kv_heads).max(1);
-        let by_capacity = s.capacity.div_ceil(TILE as usize).max(1);
-        let want = self.target.div_ceil(base).min(by_capacity);
+        let by_context = s.covered().div_ceil(TILE as usize).max(1);
+        let want = self.target.div_ceil(base).min(by_context);
         want.min(self.cubes / base).clamp(1, MAX_SPLITS)
     }
 }
@@ -434,7 +454,7 @@ pub fn attention<R: Runtime, F: Float>(
         scratch.cubes
     );
     // Spans of whole tiles.
-    let span = s.capacity.div_ceil(splits).div_ceil(TILE as usize) * TILE as usize;
+    let span = s.covered().div_ceil(splits).div_ceil(TILE as usize) * TILE as usize;
     // Unsplit, the scratch is bound but never written.
     let (part_o, part_ml) = (scratch.part_o.clone(), scratch.part_ml.clone());
     let part_len = if split { base * splits * group } else { 1 };
