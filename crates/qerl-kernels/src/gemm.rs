@@ -25,8 +25,8 @@ use cubecl::server::Handle;
 pub use crate::gemm_mma::{
     launches as mma_launches, options as mma_options, set_options as set_mma_options, MmaDecode,
     MmaKernel, MmaOptions, DEFAULT_MAX_M as MMA_DEFAULT_MAX_M,
-    DEFAULT_PREFETCH as MMA_DEFAULT_PREFETCH, DEFAULT_X_AHEAD as MMA_DEFAULT_X_AHEAD,
-    DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM, MAX_M_LIMIT as MMA_MAX_M_LIMIT,
+    DEFAULT_PREFETCH as MMA_DEFAULT_PREFETCH, DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM,
+    DEFAULT_X_AHEAD as MMA_DEFAULT_X_AHEAD, MAX_M_LIMIT as MMA_MAX_M_LIMIT,
 };
 pub use crate::gemv::{set_decode_max_m, DEFAULT_DECODE_MAX_M};
 pub use crate::splitk::force_splits;
