@@ -738,8 +738,13 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
                         x_ahead: 1 + ci % 2,
                         warps_per_sm: gemm::MMA_DEFAULT_WARPS_PER_SM,
                         min_m: 1,
-                        // 2x4 tiles also under 32 warps a cube (64 registers a thread)
-                        warps_per_cube: if t == Some((2, 4)) { 32 } else { 4 },
+                        // 2x4 tiles also under 32 warps a cube (64 registers a thread),
+                        // the default tiles under each kernel's default warps
+                        warps_per_cube: match t {
+                            Some((2, 4)) => 32,
+                            None => 0,
+                            _ => 4,
+                        },
                         max_m: 256,
                     });
                     let _s = SplitGuard::force(splits);
