@@ -352,7 +352,63 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
         }
     }
 
-    if decode == DECODE_SPREAD {
+    finish::<F, O, P>(
+        &mut acc,
+        lora_t,
+        lora_b,
+        bias,
+        y,
+        &row_ok,
+        &def,
+        n0,
+        g,
+        t,
+        m0,
+        m_rows,
+        n_cols,
+        out0,
+        rank as usize,
+        lora_scale,
+        r_tiles,
+        m_tiles,
+        comptime!(decode == DECODE_SPREAD),
+        has_bias,
+        has_lora,
+        split,
+    );
+}
+
+/// The end of both kernels: the other 2^63 of the spread decoding (`spread`), the LoRA term
+/// (in slice 0 only when split), then each accumulator into `y` at `out0` with the bias:
+/// tile (r, mt) holds rows g, g + 8 of the weight tile (output columns) for token columns
+/// 2t, 2t + 1.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn finish<F: Float, O: Float, P: Size>(
+    acc: &mut Sequence<Array<Vector<f32, P>>>,
+    lora_t: &Array<f32>,
+    lora_b: &Array<Vector<F, P>>,
+    bias: &Array<F>,
+    y: &mut Array<O>,
+    row_ok: &Array<bool>,
+    def: &MmaDefinition<F, F, f32>,
+    n0: usize,
+    g: usize,
+    t: usize,
+    m0: usize,
+    m_rows: usize,
+    n_cols: usize,
+    out0: usize,
+    rank: usize,
+    lora_scale: f32,
+    #[comptime] r_tiles: usize,
+    #[comptime] m_tiles: usize,
+    #[comptime] spread: bool,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+    #[comptime] split: bool,
+) {
+    if spread {
         // The half of 2^126 the block scales did not carry (a power of two: exact).
         #[unroll]
         for i in 0..comptime!(r_tiles * m_tiles) {
@@ -369,26 +425,12 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
         }
         if here {
             lora_stages::<F, P>(
-                lora_t,
-                lora_b,
-                &row_ok,
-                n0,
-                g,
-                t,
-                m0,
-                m_rows,
-                rank as usize,
-                lora_scale,
-                &def,
-                &mut acc,
-                r_tiles,
+                lora_t, lora_b, row_ok, n0, g, t, m0, m_rows, rank, lora_scale, def, acc, r_tiles,
                 m_tiles,
             );
         }
     }
 
-    // Accumulator of tile (r, mt): rows g, g + 8 of the weight tile (output columns), token
-    // columns 2t, 2t + 1.
     #[unroll]
     for r in 0..r_tiles {
         #[unroll]

@@ -22,7 +22,7 @@
 //! The `mma` columns, the reduction order and so every rounding are those of the direct kernel
 //! with the spread decoding: only where `B` comes from changed.
 
-use super::{load_chunk, lora_stages, spread_bits, CHUNK, TWO_POW_63};
+use super::{finish, load_chunk, spread_bits, CHUNK, TWO_POW_63};
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
@@ -285,64 +285,30 @@ pub(super) fn gemm_mma_staged_kernel<F: Float, O: Float, P: Size, Q: Size>(
     if !warp_live {
         terminate!();
     }
-    // The half of 2^126 the block scales did not carry (a power of two: exact).
-    #[unroll]
-    for i in 0..comptime!(r_tiles * m_tiles) {
-        let a = acc.index_mut(i);
-        a[0] = a[0] * Vector::<f32, P>::new(TWO_POW_63);
-        a[1] = a[1] * Vector::<f32, P>::new(TWO_POW_63);
-    }
-
-    if has_lora {
-        let mut here = true;
-        if split {
-            here = CUBE_POS_Z == 0;
-        }
-        if here {
-            lora_stages::<F, P>(
-                lora_t,
-                lora_b,
-                &row_ok,
-                n0,
-                g,
-                t,
-                m0,
-                m_rows,
-                rank as usize,
-                lora_scale,
-                &def,
-                &mut acc,
-                r_tiles,
-                m_tiles,
-            );
-        }
-    }
-
-    // Accumulator of tile (r, mt): rows g, g + 8 of the weight tile (output columns), token
-    // columns 2t, 2t + 1.
-    #[unroll]
-    for r in 0..r_tiles {
-        #[unroll]
-        for mt in 0..m_tiles {
-            let a = acc.index(r * m_tiles + mt);
-            #[unroll]
-            for h in 0..2usize {
-                let n = n0 + r * 16 + h * 8 + g;
-                let v = a[h];
-                #[unroll]
-                for e in 0..2usize {
-                    let m = m0 + mt * 8 + 2 * t + e;
-                    if n < n_cols && m < m_rows {
-                        let mut out = v[e];
-                        if has_bias {
-                            out += f32::cast_from(bias[n]);
-                        }
-                        y[out0 + m * n_cols + n] = O::cast_from(out);
-                    }
-                }
-            }
-        }
-    }
+    finish::<F, O, P>(
+        &mut acc,
+        lora_t,
+        lora_b,
+        bias,
+        y,
+        &row_ok,
+        &def,
+        n0,
+        g,
+        t,
+        m0,
+        m_rows,
+        n_cols,
+        out0,
+        rank as usize,
+        lora_scale,
+        r_tiles,
+        m_tiles,
+        true,
+        has_bias,
+        has_lora,
+        split,
+    );
 }
 
 /// This thread's items of chunk `c` of the cube's tokens into `out[at ..]` (zeros past `M` or
