@@ -36,6 +36,10 @@
 //!
 //! Split-K over whole chunks writes f32 partial sums that [`crate::splitk::reduce`] adds (with the
 //! bias); the LoRA term is one more reduction of depth `r` in slice 0, in the natural order.
+//!
+//! `staged.rs` holds the default kernel for bf16 above 8 rows ([`MmaKernel::Staged`]): the same
+//! fragments and spread decoding, with `X` copied into shared memory once per cube in fragment
+//! order and up to 64 tokens per decoded fragment; both kernels end in [`finish`].
 
 mod launch;
 mod staged;

@@ -15,9 +15,9 @@
 //!   rows every weight is decoded once.
 //! Two shared buffers alternate: the copy of chunk `c + 1` is loaded into registers before
 //! chunk `c` is multiplied and stored after, with one barrier a chunk. The codes are loaded
-//! `depth` chunks ahead (comptime, 1 to 4), so that a warp keeps several kilobytes of weight
-//! in flight: one chunk was not enough to cover the memory's latency; `X` is loaded
-//! `x_ahead` chunks ahead (comptime, 1 or 2) for the same reason.
+//! `depth` chunks ahead (comptime, 1 to 4) and `X` `x_ahead` chunks (1 or 2), to keep more
+//! weight in flight; on an H100 (2026-11-27) every depth measured alike: with `X` staged the
+//! kernel is bound by issuing its decoding and copying, not by memory latency.
 //!
 //! The `mma` columns, the reduction order and so every rounding are those of the direct kernel
 //! with the spread decoding: only where `B` comes from changed.
