@@ -655,13 +655,6 @@ pub fn set_dense_cublas(on: bool) {
     DENSE_CUBLAS.store(u8::from(on), std::sync::atomic::Ordering::Relaxed);
 }
 
-/// `Y[M, n] = X[M, K] · D[n, K]ᵀ (+ bias[n]) (+ s · T·Bᵀ)` with a dense row-major `D` in `F`
-/// and the output in `O`, on the tensor-core kernel (with split-K where the output is small):
-/// the lm_head and the frozen weights of a BF16 model when many rows are decoded. From
-/// [`cublas_min_m`] rows under the default strategy (or any rows under `QERL_GEMM=cublas`),
-/// cuBLAS where it runs, unless `QERL_DENSE_CUBLAS=0` ([`dense_cublas`]).
-/// Returns `Ok(false)`, launching nothing, where that kernel does not apply (no tensor cores
-/// for `F`, or `K` not a multiple of its stage); the caller then uses a portable product.
 /// A dense product at least this wide (a vocabulary-sized lm_head) takes cuBLAS from
 /// [`WIDE_DENSE_MIN_M`] rows rather than [`cublas_min_m`]: one host round trip a step is worth
 /// it on 1 GB of weight. H100, 2026-11-27 (7B NVFP4 decode at batch 64, 32 new tokens, one
@@ -670,6 +663,14 @@ pub const WIDE_DENSE_N: usize = 65536;
 /// See [`WIDE_DENSE_N`].
 pub const WIDE_DENSE_MIN_M: usize = 64;
 
+/// `Y[M, n] = X[M, K] · D[n, K]ᵀ (+ bias[n]) (+ s · T·Bᵀ)` with a dense row-major `D` in `F`
+/// and the output in `O`, on the tensor-core kernel (with split-K where the output is small):
+/// the lm_head and the frozen weights of a BF16 model when many rows are decoded. From
+/// [`cublas_min_m`] rows under the default strategy ([`WIDE_DENSE_MIN_M`] for a product
+/// [`WIDE_DENSE_N`] wide; any rows under `QERL_GEMM=cublas`), cuBLAS where it runs, unless
+/// `QERL_DENSE_CUBLAS=0` ([`dense_cublas`]).
+/// Returns `Ok(false)`, launching nothing, where that kernel does not apply (no tensor cores
+/// for `F`, or `K` not a multiple of its stage); the caller then uses a portable product.
 #[allow(clippy::too_many_arguments)]
 pub fn dense_matmul<R: Runtime, F: Float, O: Float>(
     client: &ComputeClient<R>,
