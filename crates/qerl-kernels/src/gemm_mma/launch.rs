@@ -194,8 +194,8 @@ pub enum MmaKernel {
 }
 
 impl MmaKernel {
+    /// The concrete kernels (what the CUDA test loops over).
     pub const ALL: [MmaKernel; 2] = [Self::Direct, Self::Staged];
-    pub const DEFAULT: MmaKernel = MmaKernel::Auto;
 }
 
 fn valid_tiles(r: usize, m: usize) -> bool {
