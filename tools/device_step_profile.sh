@@ -4,7 +4,9 @@
 # One device call. Carry .device/qerl.tar.gz (the release `qerl`, --features cuda).
 # There: bash tools/device_step_profile.sh "name:ENV=v,ENV=v@64+256" ...
 #   each argument: a variant name, its environment (comma-separated, may be empty) and its batches.
-# Env: SHAPE (qwen2.5-7b), PRECISION (nvfp4), NCU_T (per run, 150 s), TOP (kernels listed, 12).
+# Env: SHAPE (qwen2.5-7b), PRECISION (nvfp4), NCU_T (per run, 150 s), TOP (kernels listed, 12),
+#   STEP (launches between two sampling launches that make one decode step, 300-900: ~430 at
+#   batch 1 on the decode kernel, 600-800 at batch 64).
 # The launches skipped are estimated per batch from a 7B profile (2026-11-27): ~7,200 building
 # the model, then a warm-up (the prefill, ~1,400 launches per 4,096-row pass, and one decode step
 # of ~677) and the timed run's prefill; the window (COUNT, 3000) then holds a few decode steps,
@@ -23,7 +25,7 @@ for spec in "$@"; do
       /tmp/qerl bench rollout --shape ${SHAPE:-qwen2.5-7b} --precision ${PRECISION:-nvfp4} --batch $b \
       --prompt 256 --new-tokens 16 --no-check > "$csv" 2>/dev/null
     echo "== $name batch $b (${envs:-defaults}): ncu $((SECONDS - start)) s"
-    python3 - "$csv" "${TOP:-12}" <<'PY'
+    python3 - "$csv" "${TOP:-12}" "${STEP:-300-900}" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if not rows:
@@ -31,9 +33,10 @@ if not rows:
 h = rows[0]; rows = [r for r in rows[1:] if r[h.index("Metric Name")] == "gpu__time_duration.sum"]
 ki, vi, ii, gi = h.index("Kernel Name"), h.index("Metric Value"), h.index("ID"), h.index("Grid Size")
 unit = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[rows[0][h.index("Metric Unit")]]
-# one decode step: from a sample_kernel launch to the next one, 600-800 launches apart
+# one decode step: from a sample_kernel launch to the next one, STEP launches apart
+lo, hi = map(int, sys.argv[3].split("-"))
 marks = [i for i, r in enumerate(rows) if r[ki].startswith("sample_kernel")]
-steps = [(a, b) for a, b in zip(marks, marks[1:]) if 600 <= b - a <= 800]
+steps = [(a, b) for a, b in zip(marks, marks[1:]) if lo <= b - a <= hi]
 if not steps:
     print(f"  no whole decode step in the window ({len(rows)} kernels, samples at {marks[:8]})"); sys.exit()
 a, b = steps[-1]

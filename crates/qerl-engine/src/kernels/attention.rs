@@ -9,9 +9,12 @@
 //! Within a cube, positions go in tiles of [`TILE`] with an online softmax in f32: four units
 //! score each position, each over a quarter of the channels, against every query head of the
 //! group (keys read in 16-byte vectors), one unit per head takes the tile's maximum and
-//! exponentials, then each unit accumulates `P·V` for its (head, channel) pairs ([`PV_BATCH`]
-//! values in flight), rescaling by `exp(m_old − m_new)`. [`UNITS`] units per cube keep each
-//! unit's chain of dependent steps short: at decode a cube's latency is the step's.
+//! exponentials, then `P·V`: each unit accumulates a 16-byte vector of one head's channels
+//! (read as one vector a position, [`PV_BATCH`] in flight) over its share of the tile's
+//! positions, rescaling by `exp(m_old − m_new)`; where the group's vectors leave units idle
+//! the positions are shared out among several units per vector, summed once at the end
+//! ([`pv_groups`]). [`UNITS`] units per cube keep each unit's chain of dependent steps short:
+//! at decode a cube's latency is the step's.
 //!
 //! Split (flash-decoding): when rows × key-value heads alone would leave most multiprocessors
 //! idle (decode at small batch, long contexts), the context is cut into `splits` spans of whole
@@ -33,8 +36,8 @@ pub const UNITS: u32 = 256;
 const QUARTERS: usize = 4;
 /// Key vectors (16 bytes each) loaded before they are used.
 const K_BATCH: usize = 4;
-/// Value positions loaded before they are used.
-const PV_BATCH: usize = 16;
+/// Value vectors (16 bytes each) loaded before they are used.
+const PV_BATCH: usize = 4;
 /// Score of a position outside the span (its exponential is 0).
 const MASKED: f32 = -1.0e30;
 
@@ -43,7 +46,7 @@ const MASKED: f32 = -1.0e30;
 fn attention_kernel<F: Float, V: Size>(
     q: &Array<F>,
     k_cache: &Array<Vector<F, V>>,
-    v_cache: &Array<F>,
+    v_cache: &Array<Vector<F, V>>,
     slot: &Array<u32>,
     pos: &Array<u32>,
     out: &mut Array<F>,
@@ -58,14 +61,25 @@ fn attention_kernel<F: Float, V: Size>(
     #[comptime] group: usize,
     #[comptime] head_dim: usize,
     #[comptime] split: bool,
+    #[comptime] pv_groups: usize,
 ) {
     let tile = TILE as usize;
     let units = UNITS as usize;
     let vs = k_cache.vector_size();
     // Key vectors of one quarter of a head.
     let qvecs = comptime!(head_dim / QUARTERS / vs);
-    // (head, channel) pairs of the group per unit in P·V, rounded up.
-    let pairs = comptime!((group * head_dim).div_ceil(UNITS as usize));
+    // P·V: an item is a vector of channels of one head; the units form `pv_groups` groups,
+    // each over its share of a tile's positions, each unit taking `per_unit` items.
+    let cvs = comptime!(head_dim / vs);
+    let items = comptime!(group * head_dim / vs);
+    let lanes = comptime!(UNITS as usize / pv_groups);
+    let per_unit = comptime!(items.div_ceil(UNITS as usize / pv_groups));
+    let share = comptime!(TILE as usize / pv_groups);
+    let mut red = SharedMemory::<f32>::new(comptime!(if pv_groups > 1 {
+        pv_groups * group * head_dim
+    } else {
+        1
+    }));
     let mut qs = SharedMemory::<f32>::new(comptime!(group * head_dim));
     let mut sq = SharedMemory::<f32>::new(comptime!(QUARTERS * group * TILE as usize));
     let mut ps = SharedMemory::<f32>::new(comptime!(group * TILE as usize));
@@ -98,11 +112,13 @@ fn attention_kernel<F: Float, V: Size>(
             l_run[t] = 0.0f32;
         }
         let kv0 = (slot[r] as usize * kv_heads + kvh) * capacity * head_dim;
-        let mut acc = Array::<f32>::new(pairs);
+        let mut acc = Array::<f32>::new(comptime!(per_unit * vs));
         #[unroll]
-        for c in 0..pairs {
-            acc[c] = 0.0f32;
+        for a in 0..comptime!(per_unit * vs) {
+            acc[a] = 0.0f32;
         }
+        let pg = t / lanes;
+        let li = t % lanes;
         // Score unit: a position of the tile and a quarter of the channels.
         let p = t % tile;
         let quarter = t / tile;
@@ -207,48 +223,91 @@ fn attention_kernel<F: Float, V: Size>(
                 m_run[t] = m_new;
             }
             sync_cube();
-            // P·V for this unit's (head, channel) pairs, PV_BATCH values in flight.
+            // P·V: this unit's items over its group's positions of the tile, value vectors
+            // (16 bytes) PV_BATCH positions in flight.
             let valid = min(tile, end - j0);
+            let lo = pg * share;
+            let hi = min(lo + share, valid);
             #[unroll]
-            for c in 0..pairs {
-                let idx = t + c * units;
-                if idx < group * head_dim {
-                    let h = idx / head_dim;
-                    let d = idx % head_dim;
-                    let mut o = acc[c] * alpha[h];
-                    let base = kv0 + j0 * head_dim + d;
-                    let mut i0 = 0usize;
-                    while i0 < valid {
-                        let mut vv = Array::<f32>::new(PV_BATCH);
+            for c in 0..per_unit {
+                let item = li + c * lanes;
+                if item < items {
+                    let h = item / cvs;
+                    let a = alpha[h];
+                    #[unroll]
+                    for e in 0..vs {
+                        acc[c * vs + e] *= a;
+                    }
+                    let base = (kv0 + j0 * head_dim) / vs + item % cvs;
+                    let mut i0 = lo;
+                    while i0 < hi {
+                        let mut vv = Array::<Vector<F, V>>::new(PV_BATCH);
                         #[unroll]
                         for u in 0..PV_BATCH {
                             // Past the span: a valid position's value, weighted 0 below.
-                            let iu = min(i0 + u, valid - 1);
-                            vv[u] = f32::cast_from(v_cache[base + iu * head_dim]);
+                            let iu = min(i0 + u, hi - 1);
+                            vv[u] = v_cache[base + iu * cvs];
                         }
                         #[unroll]
                         for u in 0..PV_BATCH {
-                            if i0 + u < valid {
-                                o += ps[h * tile + i0 + u] * vv[u];
+                            let w = select(i0 + u < hi, ps[h * tile + min(i0 + u, hi - 1)], 0.0f32);
+                            #[unroll]
+                            for e in 0..vs {
+                                acc[c * vs + e] += w * f32::cast_from(vv[u][e]);
                             }
                         }
                         i0 += PV_BATCH;
                     }
-                    acc[c] = o;
                 }
             }
             sync_cube();
             j0 += tile;
         }
-        #[unroll]
-        for c in 0..pairs {
-            let idx = t + c * units;
-            if idx < group * head_dim {
-                let h = idx / head_dim;
-                if split {
-                    part_o[cube * group * head_dim + idx] = acc[c];
-                } else {
-                    out[q0 + idx] = F::cast_from(acc[c] / l_run[h]);
+        // The position groups' sums added (group 0 keeps the total).
+        if comptime!(pv_groups > 1) {
+            #[unroll]
+            for c in 0..per_unit {
+                let item = li + c * lanes;
+                if item < items {
+                    #[unroll]
+                    for e in 0..vs {
+                        red[(pg * items + item) * vs + e] = acc[c * vs + e];
+                    }
+                }
+            }
+            sync_cube();
+            if pg == 0 {
+                #[unroll]
+                for c in 0..per_unit {
+                    let item = li + c * lanes;
+                    if item < items {
+                        #[unroll]
+                        for e in 0..vs {
+                            let mut total = 0.0f32;
+                            for g in 0..pv_groups {
+                                total += red[(g * items + item) * vs + e];
+                            }
+                            acc[c * vs + e] = total;
+                        }
+                    }
+                }
+            }
+        }
+        if pg == 0 {
+            #[unroll]
+            for c in 0..per_unit {
+                let item = li + c * lanes;
+                if item < items {
+                    let h = item / cvs;
+                    #[unroll]
+                    for e in 0..vs {
+                        let idx = item * vs + e;
+                        if split {
+                            part_o[cube * group * head_dim + idx] = acc[c * vs + e];
+                        } else {
+                            out[q0 + idx] = F::cast_from(acc[c * vs + e] / l_run[h]);
+                        }
+                    }
                 }
             }
         }
@@ -416,6 +475,18 @@ impl AttentionScratch {
     }
 }
 
+/// Groups of units that share out a tile's positions in `P·V`: the largest power of two (at
+/// most [`TILE`]) that leaves every group a unit per channel vector of the `group` heads
+/// (`vectors = group · head_dim / vector width`), 1 when there are more vectors than units.
+/// On an H100 at batch 64 (Qwen2.5-7B: 7 heads of 128 bf16 channels, 112 vectors) this is 2.
+fn pv_groups(vectors: usize) -> usize {
+    let mut p = 1;
+    while p < TILE as usize && 2 * p * vectors <= UNITS as usize {
+        p *= 2;
+    }
+    p
+}
+
 /// The widest vector (at most 16 bytes) of `F` that divides `n`.
 fn vector_width<F: Float>(n: usize) -> usize {
     let mut v = (16 / std::mem::size_of::<F>()).max(1);
@@ -469,7 +540,7 @@ pub fn attention<R: Runtime, F: Float>(
             vs,
             ArrayArg::from_raw_parts(q.clone(), s.rows * s.q_heads * d),
             ArrayArg::from_raw_parts(k_cache.clone(), cache / vs),
-            ArrayArg::from_raw_parts(v_cache.clone(), cache),
+            ArrayArg::from_raw_parts(v_cache.clone(), cache / vs),
             ArrayArg::from_raw_parts(slot.clone(), s.rows),
             ArrayArg::from_raw_parts(pos.clone(), s.rows),
             ArrayArg::from_raw_parts(out.clone(), s.rows * s.q_heads * d),
@@ -484,6 +555,7 @@ pub fn attention<R: Runtime, F: Float>(
             group,
             d,
             split,
+            pv_groups(group * d / vs),
         );
         if split {
             combine_kernel::launch_unchecked::<F, R>(
@@ -499,6 +571,26 @@ pub fn attention<R: Runtime, F: Float>(
                 d,
                 MAX_SPLITS,
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pv_groups;
+
+    #[test]
+    fn position_groups_fill_the_cube_without_exceeding_it() {
+        // Qwen2.5-7B in bf16 (7 heads x 16 vectors), in f32 (x 32), small test heads.
+        assert_eq!(pv_groups(112), 2);
+        assert_eq!(pv_groups(224), 1);
+        assert_eq!(pv_groups(12), 16);
+        assert_eq!(pv_groups(1), 64);
+        assert_eq!(pv_groups(300), 1);
+        for v in 1..600 {
+            let p = pv_groups(v);
+            assert!(p.is_power_of_two() && p <= 64);
+            assert!(p == 1 || p * v <= 256);
         }
     }
 }
