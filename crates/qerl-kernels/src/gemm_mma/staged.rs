@@ -13,6 +13,7 @@
 //! * each warp decodes its `16·r_tiles` weight rows exactly as the spread decoding does and
 //!   feeds each decoded `A` fragment to `m_tiles` token tiles (up to 8: 64 tokens), so at 64
 //!   rows every weight is decoded once.
+//!
 //! Two shared buffers alternate: the copy of chunk `c + 1` is loaded into registers before
 //! chunk `c` is multiplied and stored after, with one barrier a chunk. The codes are loaded
 //! `depth` chunks ahead (comptime, 1 to 4) and `X` `x_ahead` chunks (1 or 2), to keep more
