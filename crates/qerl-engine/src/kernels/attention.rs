@@ -8,8 +8,9 @@
 //!
 //! Within a cube, positions go in tiles of [`TILE`] with an online softmax in f32: four units
 //! score each position, each over a quarter of the channels, against every query head of the
-//! group (keys read in 16-byte vectors), one unit per head takes the tile's maximum and
-//! exponentials, then `P·V`: each unit accumulates a 16-byte vector of one head's channels
+//! group (keys read in 16-byte vectors, the queries from shared memory in vectors of 4 f32),
+//! one unit per head takes the tile's maximum and exponentials, then `P·V`: each unit
+//! accumulates a 16-byte vector of one head's channels
 //! (read as one vector a position, [`PV_BATCH`] in flight) over its share of the tile's
 //! positions, rescaling by `exp(m_old − m_new)`; where the group's vectors leave units idle
 //! the positions are shared out among several units per vector, summed once at the end
@@ -43,7 +44,7 @@ const MASKED: f32 = -1.0e30;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn attention_kernel<F: Float, V: Size>(
+fn attention_kernel<F: Float, V: Size, Q: Size>(
     q: &Array<F>,
     k_cache: &Array<Vector<F, V>>,
     v_cache: &Array<Vector<F, V>>,
@@ -62,6 +63,7 @@ fn attention_kernel<F: Float, V: Size>(
     #[comptime] head_dim: usize,
     #[comptime] split: bool,
     #[comptime] pv_groups: usize,
+    #[comptime] qw: usize,
 ) {
     let tile = TILE as usize;
     let units = UNITS as usize;
@@ -80,7 +82,9 @@ fn attention_kernel<F: Float, V: Size>(
     } else {
         1
     }));
-    let mut qs = SharedMemory::<f32>::new(comptime!(group * head_dim));
+    // The scaled queries as vectors of `qw` (the `Q` vector size, up to 4 f32: one shared load
+    // serves `qw` channels of the scores).
+    let mut qs = SharedMemory::<Vector<f32, Q>>::new(comptime!(group * head_dim / qw));
     let mut sq = SharedMemory::<f32>::new(comptime!(QUARTERS * group * TILE as usize));
     let mut ps = SharedMemory::<f32>::new(comptime!(group * TILE as usize));
     let mut m_run = SharedMemory::<f32>::new(group);
@@ -103,8 +107,13 @@ fn attention_kernel<F: Float, V: Size>(
         let q_heads = kv_heads * group;
         let q0 = (r * q_heads + kvh * group) * head_dim;
         let mut i = t;
-        while i < group * head_dim {
-            qs[i] = f32::cast_from(q[q0 + i]) * scale;
+        while i < comptime!(group * head_dim / qw) {
+            let mut v = Vector::<f32, Q>::empty();
+            #[unroll]
+            for e in 0..qw {
+                v[e] = f32::cast_from(q[q0 + i * qw + e]) * scale;
+            }
+            qs[i] = v;
             i += units;
         }
         if t < group {
@@ -145,12 +154,21 @@ fn attention_kernel<F: Float, V: Size>(
                     for u in 0..K_BATCH {
                         if b * K_BATCH + u < qvecs {
                             let d0 = d_begin + (b * K_BATCH + u) * vs;
+                            let mut kf = Array::<f32>::new(vs);
                             #[unroll]
                             for e in 0..vs {
-                                let kf = f32::cast_from(kv[u][e]);
+                                kf[e] = f32::cast_from(kv[u][e]);
+                            }
+                            // Channels in order for each head, as one scalar loop would.
+                            #[unroll]
+                            for e4 in 0..comptime!(vs / qw) {
                                 #[unroll]
                                 for h in 0..group {
-                                    s[h] += qs[h * head_dim + d0 + e] * kf;
+                                    let qv = qs[(h * head_dim + d0) / qw + e4];
+                                    #[unroll]
+                                    for e in 0..qw {
+                                        s[h] += qv[e] * kf[e4 * qw + e];
+                                    }
                                 }
                             }
                         }
@@ -516,6 +534,8 @@ pub fn attention<R: Runtime, F: Float>(
     let cache = s.slots * s.kv_heads * s.capacity * d;
     let group = s.q_heads / s.kv_heads;
     let vs = vector_width::<F>(d / QUARTERS);
+    // Query vectors in shared memory: up to 4 f32, dividing the key vectors.
+    let qw = vs.min(4);
     let base = s.rows * s.kv_heads;
     let splits = splits.unwrap_or_else(|| scratch.splits(&s)).max(1);
     let split = splits > 1;
@@ -538,6 +558,7 @@ pub fn attention<R: Runtime, F: Float>(
             grid_rows(base * splits),
             CubeDim::new_1d(UNITS),
             vs,
+            qw,
             ArrayArg::from_raw_parts(q.clone(), s.rows * s.q_heads * d),
             ArrayArg::from_raw_parts(k_cache.clone(), cache / vs),
             ArrayArg::from_raw_parts(v_cache.clone(), cache / vs),
@@ -556,6 +577,7 @@ pub fn attention<R: Runtime, F: Float>(
             d,
             split,
             pv_groups(group * d / vs),
+            qw,
         );
         if split {
             combine_kernel::launch_unchecked::<F, R>(
