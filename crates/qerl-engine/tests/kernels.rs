@@ -4,6 +4,7 @@
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
+use qerl_engine::kernels::act::silu_mul;
 use qerl_engine::kernels::attention::{attention, AttentionScratch, AttentionShape};
 use qerl_engine::kernels::dense::{dense, DenseEpilogue};
 use qerl_engine::kernels::norm::add_rms_norm;
@@ -117,6 +118,25 @@ fn dense_products_with_segments_bias_and_lora() {
                 seed,
             );
         }
+    }
+}
+
+#[test]
+fn silu_mul_over_whole_and_partial_vectors() {
+    let c = client();
+    let (mut g, seed) = rng();
+    // Vectors of 4, 2 and 1 f32 (the lengths 4·96, 2·3, 7).
+    for len in [384, 6, 7] {
+        let gate = uniform(&mut g, len);
+        let upv = uniform(&mut g, len);
+        let out = nan(&c, len);
+        silu_mul::<R, f32>(&c, &up(&c, &gate), &up(&c, &upv), &out, len);
+        let want: Vec<f64> = gate
+            .iter()
+            .zip(&upv)
+            .map(|(&a, &b)| a as f64 / (1.0 + (-(a as f64)).exp()) * b as f64)
+            .collect();
+        assert_close(&format!("silu_mul {len}"), &read(&c, &out), &want, seed);
     }
 }
 

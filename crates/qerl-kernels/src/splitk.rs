@@ -65,14 +65,16 @@ pub(crate) fn workspace<R: Runtime>(
     client.empty(splits * m * n * std::mem::size_of::<f32>())
 }
 
+/// One unit per vector of `vs` consecutive outputs (16-byte loads of the partial sums where
+/// `N` allows): each element's slices summed in order, then its bias and LoRA term.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn reduce_kernel<F: Float, O: Float>(
-    part: &Array<f32>,
+fn reduce_kernel<F: Float, O: Float, V: Size>(
+    part: &Array<Vector<f32, V>>,
     bias: &Array<F>,
     lora_t: &Array<f32>,
     lora_b: &Array<F>,
-    y: &mut Array<O>,
+    y: &mut Array<Vector<O, V>>,
     m_rows: u32,
     n_cols: u32,
     splits: u32,
@@ -81,28 +83,36 @@ fn reduce_kernel<F: Float, O: Float>(
     #[comptime] has_bias: bool,
     #[comptime] has_lora: bool,
 ) {
+    let vs = part.vector_size();
     let idx = linear_cube() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
     let n_cols = n_cols as usize;
-    let total = m_rows as usize * n_cols;
+    let total = m_rows as usize * n_cols / vs;
     if idx < total {
-        let mut v = 0.0f32;
+        let mut v = Vector::<f32, V>::new(0.0f32);
         for s in 0..splits as usize {
             v += part[s * total + idx];
         }
-        let n = idx % n_cols;
-        if has_bias {
-            v += f32::cast_from(bias[n]);
-        }
-        if has_lora {
-            let m = idx / n_cols;
-            let rank = rank as usize;
-            let mut l = 0.0f32;
-            for j in 0..rank {
-                l += lora_t[m * rank + j] * f32::cast_from(lora_b[n * rank + j]);
+        let mut out = Vector::<O, V>::empty();
+        #[unroll]
+        for e in 0..vs {
+            let i = idx * vs + e;
+            let n = i % n_cols;
+            let mut x = v[e];
+            if has_bias {
+                x += f32::cast_from(bias[n]);
             }
-            v += lora_scale * l;
+            if has_lora {
+                let m = i / n_cols;
+                let rank = rank as usize;
+                let mut l = 0.0f32;
+                for j in 0..rank {
+                    l += lora_t[m * rank + j] * f32::cast_from(lora_b[n * rank + j]);
+                }
+                x += lora_scale * l;
+            }
+            out[e] = O::cast_from(x);
         }
-        y[idx] = O::cast_from(v);
+        y[idx] = out;
     }
 }
 
@@ -129,18 +139,24 @@ pub(crate) fn reduce<R: Runtime, F: Float, O: Float>(
     let (t, b, rank, scale) = epilogue
         .lora
         .unwrap_or_else(|| (part.clone(), part.clone(), 0, 0.0));
+    // Four outputs a unit where rows are whole vectors of them and `y` starts on a vector.
+    let aligned = y
+        .offset_start
+        .is_none_or(|o| o.is_multiple_of(4 * std::mem::size_of::<O>() as u64));
+    let vs = if n.is_multiple_of(4) && aligned { 4 } else { 1 };
     // SAFETY: `part` holds splits*m*n f32 (from `workspace`), the caller checked `y`, bias and
     // the LoRA buffers; every access is bounded by m*n, the rank and the splits.
     unsafe {
         reduce_kernel::launch_unchecked::<F, O, R>(
             client,
-            grid_1d(total.div_ceil(256)),
+            grid_1d((total / vs).div_ceil(256)),
             CubeDim::new_1d(256),
-            ArrayArg::from_raw_parts(part.clone(), splits * total),
+            vs,
+            ArrayArg::from_raw_parts(part.clone(), splits * total / vs),
             ArrayArg::from_raw_parts(bias, n),
             ArrayArg::from_raw_parts(t, m * rank.max(1)),
             ArrayArg::from_raw_parts(b, n * rank.max(1)),
-            ArrayArg::from_raw_parts(y.clone(), total),
+            ArrayArg::from_raw_parts(y.clone(), total / vs),
             m as u32,
             n as u32,
             splits as u32,
@@ -154,7 +170,70 @@ pub(crate) fn reduce<R: Runtime, F: Float, O: Float>(
 
 #[cfg(test)]
 mod tests {
-    use super::plan;
+    use super::{plan, reduce, ReduceEpilogue};
+    use cubecl::prelude::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The reduction against the host on random slices (wgpu, f32): four outputs a unit where
+    /// `N` is a multiple of 4, one where it is not, with bias and with or without a LoRA term;
+    /// the slices are added in order, then the bias, as on the host, so without LoRA the
+    /// results are equal bit for bit.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn reduction_adds_the_slices_in_order_then_the_epilogue() {
+        type R = cubecl::wgpu::WgpuRuntime;
+        let c = R::client(&crate::runtime::wgpu_device_or_exit());
+        let seed: u64 = rand::rng().random();
+        let mut g = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut uniform =
+            |len: usize| -> Vec<f32> { (0..len).map(|_| g.random_range(-1.0f32..1.0)).collect() };
+        for (m, n, splits, rank) in [(3, 40, 3, 2), (5, 18, 14, 0), (2, 64, 1, 4), (7, 9, 2, 2)] {
+            let (part, bias, t, b) = (
+                uniform(splits * m * n),
+                uniform(n),
+                uniform(m * rank.max(1)),
+                uniform(n * rank.max(1)),
+            );
+            let up = |v: &[f32]| c.create_from_slice(f32::as_bytes(v));
+            let (ph, bh, th, bbh) = (up(&part), up(&bias), up(&t), up(&b));
+            for lora in [false, true] {
+                let y = up(&vec![f32::NAN; m * n]);
+                let epilogue = ReduceEpilogue {
+                    bias: Some(bh.clone()),
+                    lora: (lora && rank > 0).then(|| (th.clone(), bbh.clone(), rank, 0.5)),
+                };
+                reduce::<R, f32, f32>(&c, ph.clone(), splits, m, n, epilogue, &y);
+                let got = f32::from_bytes(&c.read_one(y).unwrap()).to_vec();
+                let want: Vec<f32> = (0..m * n)
+                    .map(|i| {
+                        let (r, col) = (i / n, i % n);
+                        let mut v = 0f32;
+                        for s in 0..splits {
+                            v += part[s * m * n + i];
+                        }
+                        v += bias[col];
+                        if lora && rank > 0 {
+                            let mut l = 0f32;
+                            for j in 0..rank {
+                                l += t[r * rank + j] * b[col * rank + j];
+                            }
+                            v += 0.5 * l;
+                        }
+                        v
+                    })
+                    .collect();
+                if lora {
+                    // The LoRA sum may be contracted into FMAs by the device compiler.
+                    for (g, w) in got.iter().zip(&want) {
+                        let ok = (g - w).abs() <= 1e-5 * (1.0 + w.abs());
+                        assert!(ok, "{g} vs {w}: m {m} n {n} splits {splits}, seed {seed}");
+                    }
+                } else {
+                    assert_eq!(got, want, "m {m} n {n} splits {splits}, seed {seed}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn plans_cover_the_reduction_with_non_empty_slices() {
