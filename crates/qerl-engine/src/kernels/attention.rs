@@ -44,7 +44,7 @@ const MASKED: f32 = -1.0e30;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn attention_kernel<F: Float, V: Size, Q: Size>(
+fn attention_kernel<F: Float, V: Size, QV: Size>(
     q: &Array<F>,
     k_cache: &Array<Vector<F, V>>,
     v_cache: &Array<Vector<F, V>>,
@@ -82,9 +82,9 @@ fn attention_kernel<F: Float, V: Size, Q: Size>(
     } else {
         1
     }));
-    // The scaled queries as vectors of `qw` (the `Q` vector size, up to 4 f32: one shared load
+    // The scaled queries as vectors of `qw` (the `QV` vector size, up to 4 f32: one shared load
     // serves `qw` channels of the scores).
-    let mut qs = SharedMemory::<Vector<f32, Q>>::new(comptime!(group * head_dim / qw));
+    let mut qs = SharedMemory::<Vector<f32, QV>>::new(comptime!(group * head_dim / qw));
     let mut sq = SharedMemory::<f32>::new(comptime!(QUARTERS * group * TILE as usize));
     let mut ps = SharedMemory::<f32>::new(comptime!(group * TILE as usize));
     let mut m_run = SharedMemory::<f32>::new(group);
@@ -108,7 +108,7 @@ fn attention_kernel<F: Float, V: Size, Q: Size>(
         let q0 = (r * q_heads + kvh * group) * head_dim;
         let mut i = t;
         while i < comptime!(group * head_dim / qw) {
-            let mut v = Vector::<f32, Q>::empty();
+            let mut v = Vector::<f32, QV>::empty();
             #[unroll]
             for e in 0..qw {
                 v[e] = f32::cast_from(q[q0 + i * qw + e]) * scale;
