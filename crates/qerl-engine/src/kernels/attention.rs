@@ -281,7 +281,8 @@ fn attention_kernel<F: Float, V: Size, QV: Size>(
             sync_cube();
             j0 += tile;
         }
-        // The position groups' sums added (group 0 keeps the total).
+        // The position groups' sums meet in shared memory; group 0 adds them in order and
+        // writes.
         if comptime!(pv_groups > 1) {
             #[unroll]
             for c in 0..per_unit {
@@ -294,22 +295,6 @@ fn attention_kernel<F: Float, V: Size, QV: Size>(
                 }
             }
             sync_cube();
-            if pg == 0 {
-                #[unroll]
-                for c in 0..per_unit {
-                    let item = li + c * lanes;
-                    if item < items {
-                        #[unroll]
-                        for e in 0..vs {
-                            let mut total = 0.0f32;
-                            for g in 0..pv_groups {
-                                total += red[(g * items + item) * vs + e];
-                            }
-                            acc[c * vs + e] = total;
-                        }
-                    }
-                }
-            }
         }
         if pg == 0 {
             #[unroll]
@@ -320,10 +305,17 @@ fn attention_kernel<F: Float, V: Size, QV: Size>(
                     #[unroll]
                     for e in 0..vs {
                         let idx = item * vs + e;
+                        let mut o = acc[c * vs + e];
+                        if comptime!(pv_groups > 1) {
+                            o = 0.0f32;
+                            for g in 0..pv_groups {
+                                o += red[(g * items + item) * vs + e];
+                            }
+                        }
                         if split {
-                            part_o[cube * group * head_dim + idx] = acc[c * vs + e];
+                            part_o[cube * group * head_dim + idx] = o;
                         } else {
-                            out[q0 + idx] = F::cast_from(acc[c * vs + e] / l_run[h]);
+                            out[q0 + idx] = F::cast_from(o / l_run[h]);
                         }
                     }
                 }
