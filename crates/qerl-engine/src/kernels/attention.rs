@@ -10,12 +10,11 @@
 //! score each position, each over a quarter of the channels, against every query head of the
 //! group (keys read in 16-byte vectors, the queries from shared memory in vectors of 4 f32),
 //! one unit per head takes the tile's maximum and exponentials, then `P·V`: each unit
-//! accumulates a 16-byte vector of one head's channels
-//! (read as one vector a position, [`PV_BATCH`] in flight) over its share of the tile's
-//! positions, rescaling by `exp(m_old − m_new)`; where the group's vectors leave units idle
-//! the positions are shared out among several units per vector, summed once at the end
-//! ([`pv_groups`]). [`UNITS`] units per cube keep each unit's chain of dependent steps short:
-//! at decode a cube's latency is the step's.
+//! accumulates a 16-byte vector of one head's channels (one load a position, [`PV_BATCH`] in
+//! flight) over its share of the tile's positions, rescaling by `exp(m_old − m_new)`; where
+//! the group's vectors leave units idle, the positions are shared out among several units per
+//! vector, summed once at the end ([`pv_groups`]). [`UNITS`] units per cube keep each unit's
+//! chain of dependent steps short: at decode a cube's latency is the step's.
 //!
 //! Split (flash-decoding): when rows × key-value heads alone would leave most multiprocessors
 //! idle (decode at small batch, long contexts), the context is cut into `splits` spans of whole
