@@ -73,7 +73,8 @@ pub(crate) fn workspace<R: Runtime>(
 }
 
 /// One unit per vector of `vs` consecutive outputs (16-byte loads of the partial sums where
-/// `N` allows): each element's slices summed in order, then its bias and LoRA term.
+/// `N` and the slice count allow, see [`reduce`]): each element's slices summed in order, then
+/// its bias and LoRA term.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn reduce_kernel<F: Float, O: Float, V: Size>(
