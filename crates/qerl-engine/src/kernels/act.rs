@@ -3,7 +3,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::{grid_rows, ROW_CUBE};
+use super::{grid_rows, vector_width, ROW_CUBE};
 
 /// `out[i] = silu(gate[i]) · up[i]`, computed in f32, rounded once; one unit per vector of
 /// `vs` elements (16-byte loads where the length allows).
@@ -39,11 +39,7 @@ pub fn silu_mul<R: Runtime, F: Float>(
     out: &Handle,
     len: usize,
 ) {
-    // The widest vector of at most 16 bytes that divides the length.
-    let mut vs = (16 / std::mem::size_of::<F>()).max(1);
-    while vs > 1 && !len.is_multiple_of(vs) {
-        vs /= 2;
-    }
+    let vs = vector_width::<F>(len);
     let vectors = len / vs;
     // SAFETY: the three buffers hold `len` elements (sized by the engine), whole engine
     // buffers (so aligned for any vector).

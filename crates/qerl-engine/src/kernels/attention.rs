@@ -25,7 +25,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::{grid_rows, row_of_cube};
+use super::{grid_rows, row_of_cube, vector_width};
 
 /// Positions per tile.
 pub const TILE: u32 = 64;
@@ -494,15 +494,6 @@ fn pv_groups(vectors: usize) -> usize {
         p *= 2;
     }
     p
-}
-
-/// The widest vector (at most 16 bytes) of `F` that divides `n`.
-fn vector_width<F: Float>(n: usize) -> usize {
-    let mut v = (16 / std::mem::size_of::<F>()).max(1);
-    while v > 1 && !n.is_multiple_of(v) {
-        v /= 2;
-    }
-    v
 }
 
 /// `out [rows, q_heads·D] = softmax(q·Kᵀ/√D)·V` over each row's filled cache positions

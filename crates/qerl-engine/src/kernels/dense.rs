@@ -12,6 +12,8 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use super::vector_width;
+
 /// Units per cube.
 const UNITS: u32 = 256;
 /// Vectors a unit loads before it uses them (loads in flight per unit).
@@ -158,15 +160,6 @@ fn dense_kernel<F: Float, O: Float, V: Size>(
             }
         }
     }
-}
-
-/// The widest vector (at most 16 bytes) of `F` that divides `k`.
-fn vector_width<F: Float>(k: usize) -> usize {
-    let mut v = (16 / std::mem::size_of::<F>()).max(1);
-    while v > 1 && !k.is_multiple_of(v) {
-        v /= 2;
-    }
-    v
 }
 
 /// Epilogue of a single-weight [`dense`] product: bias `[N]` and LoRA (`T [M, r]` f32,

@@ -34,3 +34,13 @@ pub(crate) fn grid_rows(cubes: usize) -> CubeCount {
 pub(crate) fn row_of_cube() -> usize {
     (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
 }
+
+/// The widest vector (at most 16 bytes) of `F` that divides `n`: the vector size of kernels
+/// that read rows of `n` elements in 16-byte loads.
+pub(crate) fn vector_width<F: Float>(n: usize) -> usize {
+    let mut v = (16 / std::mem::size_of::<F>()).max(1);
+    while v > 1 && !n.is_multiple_of(v) {
+        v /= 2;
+    }
+    v
+}
