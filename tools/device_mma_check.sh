@@ -18,6 +18,12 @@ source tools/device_cache.sh
 source tools/device_cuda_libs.sh
 mkdir -p /tmp/qm && tar -xzf "${QERL_TAR:-.device/qerl-mma.tar.gz}" -C /tmp/qm
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
+# SOURCE_LOG=1: cubecl logs every kernel's generated CUDA source to /tmp/cubecl-src.log; after
+# the tests, the lines around each match of SOURCE_GREP (default `__threadfence`: session 15
+# checked a fence injected through `comment!`, docs/design/w4a16-pipeline.md §9) are shown.
+if [ "${SOURCE_LOG:-0}" = 1 ]; then
+  printf '\n[compilation.logger]\nlevel = "full"\nfile = "/tmp/cubecl-src.log"\n' >> cubecl.toml
+fi
 if [ "${TESTS:-1}" = 1 ] && [ -x .device/kernels ]; then
   for f in ${TEST_FILTERS:-cuda_bf16::matmul_mma cuda_f16::matmul_mma cuda_bf16::matmul_}; do
     start=$SECONDS
@@ -26,6 +32,11 @@ if [ "${TESTS:-1}" = 1 ] && [ -x .device/kernels ]; then
       grep -E "^test |test result|panicked|assert|error|seed" | head -30
     echo "tests $f: $((SECONDS - start)) s"
   done
+fi
+if [ "${SOURCE_LOG:-0}" = 1 ]; then
+  pat=${SOURCE_GREP:-__threadfence}
+  echo "== generated source: $(grep -c -- "$pat" /tmp/cubecl-src.log 2>/dev/null || echo 0) lines match '$pat' in $(du -h /tmp/cubecl-src.log 2>/dev/null | cut -f1) of source"
+  grep -n -B3 -A3 -- "$pat" /tmp/cubecl-src.log 2>/dev/null | head -${SOURCE_LINES:-24}
 fi
 # STRESS=1: the strategy stress test (.device/strategy_stress, bf16: every strategy, chains of
 # products back to back against the f64 reference)
