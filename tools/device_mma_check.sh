@@ -8,7 +8,7 @@
 # stripped) in .device/kernels.
 # There: bash tools/device_mma_check.sh   (carry .device/qerl-mma.tar.gz, .device/kernels; QERL_TAR
 # names another tarball of the binary)
-# Env: TESTS (1: run the kernel tests), TEST_FILTERS, STRESS (1: .device/strategy_stress too), VARIANTS ("name:ENV=v,ENV=v ..."; "off"
+# Env: TESTS (1: run the kernel tests), TEST_FILTERS, ENGINE_TESTS (1: the engine's CUDA tests), STRESS (1: .device/strategy_stress too), VARIANTS ("name:ENV=v,ENV=v ..."; "off"
 # is QERL_MMA=off; CHECK=1 among a variant's settings keeps the check, PREC=a+b its precisions, B=a+b its batches), BATCHES (16,64), NEW_TOKENS (128), PRECISIONS (nvfp4), ROLLOUT_T (150).
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
@@ -37,6 +37,16 @@ if [ "${SOURCE_LOG:-0}" = 1 ]; then
   pat=${SOURCE_GREP:-__threadfence}
   echo "== generated source: $(grep -c -- "$pat" /tmp/cubecl-src.log 2>/dev/null || echo 0) lines match '$pat' in $(du -h /tmp/cubecl-src.log 2>/dev/null | cut -f1) of source"
   grep -n -B3 -A3 -- "$pat" /tmp/cubecl-src.log 2>/dev/null | head -${SOURCE_LINES:-24}
+fi
+# ENGINE_TESTS=1: the engine's CUDA kernel tests (.device/kernels_cuda, built with
+# `cargo test --release -p qerl-engine --features cuda --test kernels_cuda --no-run`), filter
+# ENGINE_FILTER (default cuda_attention)
+if [ "${ENGINE_TESTS:-0}" = 1 ] && [ -x .device/kernels_cuda ]; then
+  start=$SECONDS
+  echo "== engine kernel tests ${ENGINE_FILTER:-cuda_attention} (CUDA)"
+  timeout -k 10 ${TEST_T:-240} .device/kernels_cuda --test-threads=1 "${ENGINE_FILTER:-cuda_attention}" 2>&1 |
+    grep -E "^test |test result|panicked|assert|error|seed|err" | head -30
+  echo "engine tests: $((SECONDS - start)) s"
 fi
 # STRESS=1: the strategy stress test (.device/strategy_stress, bf16: every strategy, chains of
 # products back to back against the f64 reference)

@@ -25,6 +25,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+pub use super::attention_tc::AttentionKernel;
 use super::{grid_rows, row_of_cube, vector_width};
 
 /// Positions per tile.
@@ -499,6 +500,8 @@ fn pv_groups(vectors: usize) -> usize {
 /// `out [rows, q_heads·D] = softmax(q·Kᵀ/√D)·V` over each row's filled cache positions
 /// `0..=pos[r]` of slot `slot[r]`. The context is split over `splits` cubes per (row,
 /// key-value head) (`None`: the scratch's plan; 1: no split) and the spans merged after.
+/// On CUDA in bf16/f16 the tensor-core kernel ([`super::attention_tc`]) runs where it applies
+/// (`QERL_ATTN=simt` turns it off), the SIMT kernel elsewhere.
 #[allow(clippy::too_many_arguments)]
 pub fn attention<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -512,6 +515,22 @@ pub fn attention<R: Runtime, F: Float>(
     scratch: &AttentionScratch,
     splits: Option<usize>,
 ) {
+    let io = [q, k_cache, v_cache, slot, pos, out];
+    attention_with::<R, F>(client, s, io, scratch, splits, AttentionKernel::Auto);
+}
+
+/// [`attention`] with the kernel chosen by the caller (tests compare the two kernels);
+/// `io` is `[q, k_cache, v_cache, slot, pos, out]`.
+pub fn attention_with<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    s: AttentionShape,
+    io: [&Handle; 6],
+    scratch: &AttentionScratch,
+    splits: Option<usize>,
+    kernel: AttentionKernel,
+) {
+    let [q, k_cache, v_cache, slot, pos, out] = io;
+    let tc = super::attention_tc::use_tc::<R, F>(client, &s, kernel);
     let d = s.head_dim;
     let cache = s.slots * s.kv_heads * s.capacity * d;
     let group = s.q_heads / s.kv_heads;
@@ -531,36 +550,42 @@ pub fn attention<R: Runtime, F: Float>(
     // Unsplit, the scratch is bound but never written.
     let (part_o, part_ml) = (scratch.part_o.clone(), scratch.part_ml.clone());
     let part_len = if split { base * splits * group } else { 1 };
+    if tc {
+        let parts = (&part_o, &part_ml, part_len);
+        super::attention_tc::launch::<R, F>(client, &s, io, parts, splits, span);
+    }
     // SAFETY: buffers sized by the engine from these shapes; positions below `capacity`,
     // slots below `slots`, `q_heads` a multiple of `kv_heads` (checked by the model shape);
     // the scratch holds `base * splits` cubes (asserted above) and is only written when split.
     unsafe {
-        attention_kernel::launch_unchecked::<F, R>(
-            client,
-            grid_rows(base * splits),
-            CubeDim::new_1d(UNITS),
-            vs,
-            qw,
-            ArrayArg::from_raw_parts(q.clone(), s.rows * s.q_heads * d),
-            ArrayArg::from_raw_parts(k_cache.clone(), cache / vs),
-            ArrayArg::from_raw_parts(v_cache.clone(), cache / vs),
-            ArrayArg::from_raw_parts(slot.clone(), s.rows),
-            ArrayArg::from_raw_parts(pos.clone(), s.rows),
-            ArrayArg::from_raw_parts(out.clone(), s.rows * s.q_heads * d),
-            ArrayArg::from_raw_parts(part_o.clone(), part_len * d),
-            ArrayArg::from_raw_parts(part_ml.clone(), part_len * 2),
-            s.rows as u32,
-            s.kv_heads as u32,
-            s.capacity as u32,
-            span as u32,
-            splits as u32,
-            1.0f32 / (d as f32).sqrt(),
-            group,
-            d,
-            split,
-            pv_groups(group * d / vs),
-            qw,
-        );
+        if !tc {
+            attention_kernel::launch_unchecked::<F, R>(
+                client,
+                grid_rows(base * splits),
+                CubeDim::new_1d(UNITS),
+                vs,
+                qw,
+                ArrayArg::from_raw_parts(q.clone(), s.rows * s.q_heads * d),
+                ArrayArg::from_raw_parts(k_cache.clone(), cache / vs),
+                ArrayArg::from_raw_parts(v_cache.clone(), cache / vs),
+                ArrayArg::from_raw_parts(slot.clone(), s.rows),
+                ArrayArg::from_raw_parts(pos.clone(), s.rows),
+                ArrayArg::from_raw_parts(out.clone(), s.rows * s.q_heads * d),
+                ArrayArg::from_raw_parts(part_o.clone(), part_len * d),
+                ArrayArg::from_raw_parts(part_ml.clone(), part_len * 2),
+                s.rows as u32,
+                s.kv_heads as u32,
+                s.capacity as u32,
+                span as u32,
+                splits as u32,
+                1.0f32 / (d as f32).sqrt(),
+                group,
+                d,
+                split,
+                pv_groups(group * d / vs),
+                qw,
+            );
+        }
         if split {
             combine_kernel::launch_unchecked::<F, R>(
                 client,

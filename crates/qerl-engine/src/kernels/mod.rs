@@ -6,6 +6,7 @@
 
 pub mod act;
 pub mod attention;
+pub mod attention_tc;
 pub mod dense;
 pub mod fill;
 pub mod norm;
