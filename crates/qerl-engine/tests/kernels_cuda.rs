@@ -18,7 +18,7 @@
 //! bound leaves a factor 2.5. f16 (u = 2^-11) passes the same bound with more room.
 //!
 //! Needs a CUDA GPU (device 0) and the CUDA headers (NVRTC) at run time:
-//! `cargo test -p qerl-engine --features cuda --test kernels_cuda`.
+//! `cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored`.
 #![cfg(feature = "cuda")]
 
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -201,6 +201,7 @@ fn check<F: Float + CubeElement>(c: &ComputeClient<R>, q_heads: usize, kv_heads:
 
 /// Qwen2.5-7B: 28 query heads over 4 key-value heads (groups of 7) of 128 channels.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
 fn cuda_attention_bf16_qwen7b_shape() {
     check::<half::bf16>(&client(), 28, 4, 128);
 }
@@ -208,6 +209,7 @@ fn cuda_attention_bf16_qwen7b_shape() {
 /// Small and awkward heads: a group of 4 at 64 channels, a full group of 16 (both row halves
 /// of the tile), groups of 1, 96 channels (8-byte value vectors) and 16 (4-byte ones).
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
 fn cuda_attention_bf16_small_shapes() {
     let c = client();
     for (q_heads, kv_heads, hd) in [
@@ -222,6 +224,7 @@ fn cuda_attention_bf16_small_shapes() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
 fn cuda_attention_f16_shapes() {
     let c = client();
     for (q_heads, kv_heads, hd) in [(28, 4, 128), (8, 2, 64)] {
@@ -232,6 +235,7 @@ fn cuda_attention_f16_shapes() {
 /// `attention` takes the tensor-core kernel for bf16 where it applies (unless the process runs
 /// with `QERL_ATTN=simt`), and keeps f32 and too-large heads on the SIMT kernel.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
 fn cuda_attention_auto_dispatch() {
     let c = client();
     let (mut g, seed) = rng();
