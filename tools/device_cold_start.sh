@@ -5,6 +5,7 @@
 # QERL: a release `qerl` built with --features cuda; SHAPE: qwen2.5-7b (default) or another
 # preset of `qerl bench load`; WORK: scratch directory (default /tmp/qerl-cold). Run from the
 # repository root (configs/, the tiny tokenizer). Prints one line per measurement.
+# Env: LOAD_REPEAT (loads of each checkpoint, 3), TRAIN (0: skip the training measurements).
 set -euo pipefail
 QERL=$(realpath "$1"); SHAPE=${2:-qwen2.5-7b}; WORK=${3:-/tmp/qerl-cold}
 ROOT=$PWD; TOK=$ROOT/tests/fixtures/tokenizers/tiny/tokenizer.json
@@ -21,7 +22,7 @@ fresh() { rm -rf "$WORK/cache"; mkdir -p "$WORK/cache"; }
 secs() { local s=$(date +%s.%N); "$@" >/dev/null 2>"$WORK/last.err" || { cat "$WORK/last.err"; exit 1; }; python3 -c "import sys; print(round(float(sys.argv[1]) - float(sys.argv[2]), 2))" "$(date +%s.%N)" "$s"; }
 
 echo "== load throughput ($SHAPE, page cache after the first load)"
-"$QERL" bench load --shape "$SHAPE" --dir "$WORK/ckpt" --device cuda --repeat 3
+"$QERL" bench load --shape "$SHAPE" --dir "$WORK/ckpt" --device cuda --repeat ${LOAD_REPEAT:-3}
 
 cd "$WORK/run"
 GEN=("$QERL" generate --model "$WORK/ckpt/nvfp4" --tokenizer "$TOK" --prompt "What is 12 times 7?" --max-new-tokens 32 --device cuda)
@@ -33,7 +34,9 @@ done
 echo "kernel cache after generate: $(du -sh "$WORK/cache" | cut -f1), $(find "$WORK/cache" -type f | wc -l) files"
 
 CONFIG=$ROOT/configs/${SHAPE}-gsm8k-grpo.toml
-if [ -f "$CONFIG" ]; then
+if [ "${TRAIN:-1}" = 0 ]; then
+  echo "TRAIN=0: training not measured"
+elif [ -f "$CONFIG" ]; then
   TRAIN=("$QERL" train --config "$CONFIG" --tokenizer "$TOK" --quiet --device cuda --max-steps 1
          --set "model.dir=\"$WORK/ckpt/nvfp4\"" --set "train.eval_interval=0")
   for state in fresh warm; do
