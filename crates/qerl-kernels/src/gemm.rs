@@ -23,10 +23,12 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 pub use crate::gemm_mma::{
-    launches as mma_launches, options as mma_options, set_options as set_mma_options, MmaDecode,
-    MmaKernel, MmaOptions, DEFAULT_MAX_M as MMA_DEFAULT_MAX_M,
-    DEFAULT_PREFETCH as MMA_DEFAULT_PREFETCH, DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM,
-    DEFAULT_X_AHEAD as MMA_DEFAULT_X_AHEAD, MAX_M_LIMIT as MMA_MAX_M_LIMIT,
+    launches as mma_launches, options as mma_options, segment_launches as mma_segment_launches,
+    segments_enabled as mma_segments, set_options as set_mma_options,
+    set_segments as set_mma_segments, MmaDecode, MmaKernel, MmaOptions,
+    DEFAULT_MAX_M as MMA_DEFAULT_MAX_M, DEFAULT_PREFETCH as MMA_DEFAULT_PREFETCH,
+    DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM, DEFAULT_X_AHEAD as MMA_DEFAULT_X_AHEAD,
+    MAX_M_LIMIT as MMA_MAX_M_LIMIT,
 };
 pub use crate::gemv::{set_decode_max_m, DEFAULT_DECODE_MAX_M};
 pub use crate::splitk::force_splits;
@@ -525,10 +527,17 @@ pub struct SegmentProduct<'a> {
     pub y: &'a Handle,
 }
 
-/// Two or three [`matmul`]s of one input `x [M, K]` (q/k/v, gate/up) as one decode launch when
-/// the decode kernel takes them all (few rows, same format, `K` and epilogue terms, none split):
-/// returns `Ok(false)` without launching anything otherwise, for the caller to run them one by
-/// one. One launch instead of three fills the device where each alone would not.
+/// Two or three [`matmul`]s of one input `x [M, K]` (q/k/v, gate/up) as one launch:
+/// * where the decode-batch mma kernel takes the rows (CUDA, `min_m..=max_m` rows of an E2M1
+///   weight), as one staged launch over the products' concatenated columns with one split-K
+///   reduction ([`crate::gemm_mma`], `segments.rs`) when it is the staged kernel (bf16) and the
+///   products share `K`, format, epilogue terms and LoRA rank and each `N` is a multiple of
+///   the cube's column width ([`mma_segments`], `QERL_MMA_SEGMENTS=0` turns this off);
+/// * otherwise as one decode launch when the decode kernel takes them all (few rows, same
+///   format, `K` and epilogue terms, none split).
+///
+/// Returns `Ok(false)` without launching anything where neither applies, for the caller to run
+/// them one by one. One launch instead of three fills the device where each alone would not.
 pub fn matmul_segments<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -552,12 +561,36 @@ pub fn matmul_segments<R: Runtime, F: Float>(
         })
         .collect();
     let rank = first.lora.as_ref().map(|l| l.rank);
-    if !crate::gemv::segments_apply(client, m, &segs, tensor_cores::<R, F>(client, m, k))
-        || (m >= crate::gemm_mma::options().min_m
-            && mma_applies::<R, F>(client, m, first.weight, rank))
-    {
+    // Rows the mma kernel takes (see `matmul`): one staged launch, else one by one.
+    if m >= crate::gemm_mma::options().min_m && mma_applies::<R, F>(client, m, first.weight, rank) {
+        let plan = products
+            .iter()
+            .all(|p| mma_applies::<R, F>(client, m, p.weight, rank))
+            .then(|| crate::gemm_mma::plan_segments::<R, F>(client, m, &segs))
+            .flatten();
+        let Some(plan) = plan else {
+            return Ok(false);
+        };
+        check_segments::<F>(x, m, k, products)?;
+        crate::gemm_mma::launch_segments::<R, F>(client, x, m, &segs, &plan);
+        return Ok(true);
+    }
+    if !crate::gemv::segments_apply(client, m, &segs, tensor_cores::<R, F>(client, m, k)) {
         return Ok(false);
     }
+    check_segments::<F>(x, m, k, products)?;
+    crate::gemv::launch_segments::<R, F>(client, x, m, &segs);
+    Ok(true)
+}
+
+/// The buffers of [`matmul_segments`]: `x [M, K]`, each `y [M, N]`, bias `[N]`, LoRA `T [M, r]`
+/// (f32) and `B [N, r]`.
+fn check_segments<F: Float>(
+    x: &Handle,
+    m: usize,
+    k: usize,
+    products: &[SegmentProduct<'_>],
+) -> Result<(), KernelError> {
     check_buffer("matmul_segments", "x", x, bytes_of::<F>(m * k))?;
     for p in products {
         let n = p.weight.n;
@@ -575,8 +608,7 @@ pub fn matmul_segments<R: Runtime, F: Float>(
             check_buffer("matmul_segments", "LoRA B", l.b, bytes_of::<F>(n * l.rank))?;
         }
     }
-    crate::gemv::launch_segments::<R, F>(client, x, m, &segs);
-    Ok(true)
+    Ok(())
 }
 
 /// `dX[M, K] = dY[M, N] · deq(W)[N, K]`: the input gradient of [`matmul`], with no dense `W`.

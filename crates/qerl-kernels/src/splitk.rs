@@ -181,9 +181,153 @@ pub(crate) fn reduce<R: Runtime, F: Float, O: Float>(
     }
 }
 
+/// The reduction of a segmented product (`gemm_mma/segments.rs`): `part [splits, M, N]` holds
+/// two or three products side by side along `N` (columns `0 .. end0`, `end0 .. end1`,
+/// `end1 .. N`); each unit sums its `vs` outputs' slices in order, as [`reduce_kernel`] does, and
+/// writes them with their segment's bias into that segment's `y [M, N_s]`. A vector never
+/// straddles two segments (every boundary is a multiple of `vs`), so the segment is uniform
+/// per unit.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn reduce_segments_kernel<F: Float, O: Float, V: Size>(
+    part: &Array<Vector<f32, V>>,
+    bias0: &Array<F>,
+    bias1: &Array<F>,
+    bias2: &Array<F>,
+    y0: &mut Array<Vector<O, V>>,
+    y1: &mut Array<Vector<O, V>>,
+    y2: &mut Array<Vector<O, V>>,
+    m_rows: u32,
+    n_cols: u32,
+    end0: u32,
+    end1: u32,
+    splits: u32,
+    #[comptime] has_bias: bool,
+    #[comptime] segments: usize,
+) {
+    let vs = part.vector_size();
+    let idx = linear_cube() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let n_cols = n_cols as usize;
+    let total = m_rows as usize * n_cols / vs;
+    if idx < total {
+        let mut v = Vector::<f32, V>::new(0.0f32);
+        for s in 0..splits as usize {
+            v += part[s * total + idx];
+        }
+        let m = idx * vs / n_cols;
+        let n = idx * vs % n_cols;
+        let (e0, e1) = (end0 as usize, end1 as usize);
+        if n < e0 {
+            store_segment::<F, O, V>(v, bias0, y0, m, n, e0, vs, has_bias);
+        } else if segments > 2 {
+            if n < e1 {
+                store_segment::<F, O, V>(v, bias1, y1, m, n - e0, e1 - e0, vs, has_bias);
+            } else {
+                store_segment::<F, O, V>(v, bias2, y2, m, n - e1, n_cols - e1, vs, has_bias);
+            }
+        } else {
+            store_segment::<F, O, V>(v, bias1, y1, m, n - e0, n_cols - e0, vs, has_bias);
+        }
+    }
+}
+
+/// Outputs `n .. n + vs` of row `m` of a segment `[M, n_cols]`: the summed slices `v`, then
+/// the bias, cast to `O` (the order of [`reduce_kernel`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_segment<F: Float, O: Float, V: Size>(
+    v: Vector<f32, V>,
+    bias: &Array<F>,
+    y: &mut Array<Vector<O, V>>,
+    m: usize,
+    n: usize,
+    n_cols: usize,
+    #[comptime] vs: usize,
+    #[comptime] has_bias: bool,
+) {
+    let mut out = Vector::<O, V>::empty();
+    #[unroll]
+    for e in 0..vs {
+        let mut x = v[e];
+        if has_bias {
+            x += f32::cast_from(bias[n + e]);
+        }
+        out[e] = O::cast_from(x);
+    }
+    y[(m * n_cols + n) / vs] = out;
+}
+
+/// One segment of [`reduce_segments`]: its width `N_s`, bias `[N_s]` and output `y [M, N_s]`.
+pub(crate) struct ReduceSegment<'a> {
+    pub n: usize,
+    pub bias: Option<&'a Handle>,
+    pub y: &'a Handle,
+}
+
+/// `y_s[M, N_s] = sum over slices of part[s, M, N_0 + .. + N_s-1 ..][..N_s] (+ bias_s)` for two
+/// or three segments laid side by side in `part [splits, M, sum N_s]`; one launch. The caller
+/// checked every buffer, and every segment has a bias or none does.
+pub(crate) fn reduce_segments<R: Runtime, F: Float, O: Float>(
+    client: &ComputeClient<R>,
+    part: Handle,
+    splits: usize,
+    m: usize,
+    segs: &[ReduceSegment<'_>],
+) {
+    assert!(
+        (2..=3).contains(&segs.len()),
+        "reduce_segments: 2 or 3 segments"
+    );
+    let seg = |i: usize| &segs[i.min(segs.len() - 1)];
+    let n: usize = segs.iter().map(|s| s.n).sum();
+    let total = m * n;
+    let has_bias = segs[0].bias.is_some();
+    let bias = |i: usize| seg(i).bias.cloned().unwrap_or_else(|| part.clone());
+    let aligned = |h: &Handle| {
+        h.offset_start
+            .is_none_or(|o| o.is_multiple_of(4 * std::mem::size_of::<O>() as u64))
+    };
+    let vs = if segs.iter().all(|s| s.n.is_multiple_of(4) && aligned(s.y))
+        && splits <= VECTOR_MAX_SPLITS
+    {
+        4
+    } else {
+        1
+    };
+    let end0 = segs[0].n;
+    let end1 = end0 + segs[1].n;
+    // SAFETY (of each `from_raw_parts`): the lengths are the buffers' own (checked by the
+    // caller); the kernel bounds every access by m*n, each segment's width and the splits, and
+    // segment indices past `segs.len()` are never reached (comptime `segments`).
+    let y = |i: usize| unsafe { ArrayArg::from_raw_parts(seg(i).y.clone(), m * seg(i).n / vs) };
+    let b = |i: usize| unsafe { ArrayArg::from_raw_parts(bias(i), seg(i).n) };
+    unsafe {
+        reduce_segments_kernel::launch_unchecked::<F, O, R>(
+            client,
+            grid_1d((total / vs).div_ceil(256)),
+            CubeDim::new_1d(256),
+            vs,
+            ArrayArg::from_raw_parts(part.clone(), splits * total / vs),
+            b(0),
+            b(1),
+            b(2),
+            y(0),
+            y(1),
+            y(2),
+            m as u32,
+            n as u32,
+            end0 as u32,
+            end1 as u32,
+            splits as u32,
+            has_bias,
+            segs.len(),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{plan, reduce, ReduceEpilogue};
+    use super::{plan, reduce, reduce_segments, ReduceEpilogue, ReduceSegment};
     use cubecl::prelude::*;
     use rand::{Rng, SeedableRng};
 
@@ -250,6 +394,68 @@ mod tests {
                     }
                 } else {
                     assert_eq!(got, want, "m {m} n {n} splits {splits}, seed {seed}");
+                }
+            }
+        }
+    }
+
+    /// The segmented reduction against the host (wgpu, f32): two and three segments side by
+    /// side, four outputs a unit (few slices) and one (many, or a width not a multiple of 4),
+    /// with and without bias; each segment's output equals the host's sum in order, then its
+    /// bias, bit for bit.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn segmented_reduction_writes_each_segment_with_its_bias() {
+        type R = cubecl::wgpu::WgpuRuntime;
+        let c = R::client(&crate::runtime::wgpu_device_or_exit());
+        let seed: u64 = rand::rng().random();
+        let mut g = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut uniform =
+            |len: usize| -> Vec<f32> { (0..len).map(|_| g.random_range(-1.0f32..1.0)).collect() };
+        let cases: [(usize, &[usize], usize); 5] = [
+            (3, &[8, 12, 4], 3),
+            (5, &[16, 4], 2),
+            (2, &[4, 8, 20], 14),
+            (7, &[6, 3, 5], 2),
+            (4, &[32, 32], 1),
+        ];
+        for (m, widths, splits) in cases {
+            let n: usize = widths.iter().sum();
+            let part = uniform(splits * m * n);
+            let biases: Vec<Vec<f32>> = widths.iter().map(|&w| uniform(w)).collect();
+            let up = |v: &[f32]| c.create_from_slice(f32::as_bytes(v));
+            let ph = up(&part);
+            let bh: Vec<_> = biases.iter().map(|b| up(b)).collect();
+            for bias in [false, true] {
+                let ys: Vec<_> = widths.iter().map(|&w| up(&vec![f32::NAN; m * w])).collect();
+                let segs: Vec<ReduceSegment<'_>> = widths
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &w)| ReduceSegment {
+                        n: w,
+                        bias: bias.then_some(&bh[i]),
+                        y: &ys[i],
+                    })
+                    .collect();
+                reduce_segments::<R, f32, f32>(&c, ph.clone(), splits, m, &segs);
+                let mut col0 = 0;
+                for (i, &w) in widths.iter().enumerate() {
+                    let got = f32::from_bytes(&c.read_one(ys[i].clone()).unwrap()).to_vec();
+                    let want: Vec<f32> = (0..m * w)
+                        .map(|j| {
+                            let (r, col) = (j / w, j % w);
+                            let mut v = 0f32;
+                            for s in 0..splits {
+                                v += part[s * m * n + r * n + col0 + col];
+                            }
+                            if bias {
+                                v += biases[i][col];
+                            }
+                            v
+                        })
+                        .collect();
+                    assert_eq!(got, want, "segment {i} of {widths:?}, m {m}, seed {seed}");
+                    col0 += w;
                 }
             }
         }

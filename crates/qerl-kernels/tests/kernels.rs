@@ -772,6 +772,231 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
     );
 }
 
+/// One segment of [`matmul_mma_segments`]: its weight, bias, LoRA `A`/`B` and `T = X·Aᵀ`
+/// on the device, and the host values for the reference.
+struct SegCase {
+    n: usize,
+    dw: DeviceWeight,
+    deq: Vec<f32>,
+    bias: Handle,
+    rbias: Vec<f64>,
+    ra: Vec<f64>,
+    rb: Vec<f64>,
+    t: Handle,
+    b: Handle,
+    scale: f32,
+}
+
+/// The products of `segs` into `ys`, with their bias and LoRA (rank `rank`) where asked.
+fn seg_products<'a>(
+    segs: &'a [SegCase],
+    ys: &'a [Handle],
+    bias: bool,
+    lora: bool,
+    rank: usize,
+) -> Vec<gemm::SegmentProduct<'a>> {
+    segs.iter()
+        .zip(ys)
+        .map(|(s, y)| gemm::SegmentProduct {
+            weight: &s.dw,
+            bias: bias.then_some(&s.bias),
+            lora: lora.then_some(gemm::LoraEpilogue {
+                t: &s.t,
+                b: &s.b,
+                rank,
+                scale: s.scale,
+            }),
+            y,
+        })
+        .collect()
+}
+
+/// Products sharing an input as one launch of the staged mma kernel (CUDA bf16): q/k/v-like
+/// (3 segments) and gate/up-like (2) at 9 to 256 rows, with and without bias, with LoRA of
+/// rank 16 on each and none, split-K forced to 3 and 1 slices and chosen; every segment's
+/// output (poisoned first) against the f64 reference. Layouts the launch does not take
+/// (a segment's N not a multiple of the cube width, unequal ranks or bias presence, the path
+/// switched off) return `Ok(false)` and launch nothing. Checks that the segmented path ran.
+pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) || !has_cmma::<R, F>(&c) {
+        return;
+    }
+    if F::as_type_native_unchecked() != half::bf16::as_type_native_unchecked() {
+        eprintln!("skipped: the staged mma kernel runs bf16 only");
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    let _m = mma_guard(gemm::MmaOptions {
+        enabled: true,
+        tiles: None,
+        decode: gemm::MmaDecode::Auto,
+        kernel: gemm::MmaKernel::Auto,
+        prefetch: gemm::MMA_DEFAULT_PREFETCH,
+        x_ahead: gemm::MMA_DEFAULT_X_AHEAD,
+        warps_per_sm: gemm::MMA_DEFAULT_WARPS_PER_SM,
+        min_m: 2,
+        warps_per_cube: 0,
+        max_m: 256,
+    });
+    let _on = Restore::set(true, gemm::mma_segments(), gemm::set_mma_segments);
+    let rank = 16;
+    let make = |rng: &mut StdRng, format, m: usize, n: usize, k: usize, xh: &Handle, r: usize| {
+        let w = random_weight(rng, format, n, k);
+        let bias = normal(rng, n, 0.5);
+        let a = normal(rng, r * k, 0.1);
+        let b = normal(rng, n * r, 0.1);
+        let ah = upload::<R, F>(&c, &a);
+        let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * r]));
+        gemm::lora_down::<R, F>(&c, xh, &ah, &t, m, k, r).unwrap();
+        SegCase {
+            n,
+            dw: DeviceWeight::upload(&c, &w).unwrap(),
+            deq: w.dequantize(),
+            bias: upload::<R, F>(&c, &bias),
+            rbias: rounded::<F>(&bias),
+            ra: rounded::<F>(&a),
+            rb: rounded::<F>(&b),
+            t,
+            b: upload::<R, F>(&c, &b),
+            scale: 0.5 + n as f32 / 1024.0,
+        }
+    };
+    // (format, M, segment widths, K): q/k/v and gate/up shapes; 9 rows take 2x2 tiles (a
+    // 256-wide cube), 64 and more 1x8 (128-wide).
+    let cases: [(QuantFormat, usize, &[usize], usize); 8] = [
+        (QuantFormat::Nvfp4, 9, &[512, 256, 256], 256),
+        (QuantFormat::Nvfp4, 64, &[384, 128, 128], 256),
+        (QuantFormat::Nvfp4, 64, &[3584, 512, 512], 3584),
+        (QuantFormat::Mxfp4, 150, &[384, 128, 128], 256),
+        (QuantFormat::Nvfp4, 256, &[384, 128, 128], 256),
+        (QuantFormat::Nvfp4, 64, &[1024, 1024], 512),
+        (QuantFormat::Nvfp4, 150, &[512, 512], 256),
+        (QuantFormat::Mxfp4, 9, &[256, 512], 192),
+    ];
+    let before = gemm::mma_segment_launches();
+    let mut ran = 0;
+    for (format, m, widths, k) in cases {
+        let x = normal(&mut rng, m * k, 1.0);
+        let xh = upload::<R, F>(&c, &x);
+        let rx = rounded::<F>(&x);
+        let segs: Vec<SegCase> = widths
+            .iter()
+            .map(|&n| make(&mut rng, format, m, n, k, &xh, rank))
+            .collect();
+        for splits in [Some(3), None, Some(1)] {
+            let _s = SplitGuard::force(splits);
+            for (bias, lora) in [(false, false), (true, true), (true, false), (false, true)] {
+                let what = format!(
+                    "mma segments {format} M={m} N={widths:?} K={k} splits={splits:?} \
+                     bias={bias} lora={lora}"
+                );
+                let ys: Vec<Handle> = segs.iter().map(|s| poisoned::<R, F>(&c, m * s.n)).collect();
+                let p = seg_products(&segs, &ys, bias, lora, rank);
+                let took = gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap();
+                assert!(took, "{what}: not taken, seed {seed}");
+                ran += 1;
+                for (i, (s, y)) in segs.iter().zip(&ys).enumerate() {
+                    let lref = LoraRef {
+                        a: &s.ra,
+                        b: &s.rb,
+                        rank,
+                        scale: s.scale as f64,
+                    };
+                    let want = matmul_ref(
+                        &rx,
+                        &s.deq,
+                        m,
+                        s.n,
+                        k,
+                        bias.then_some(&s.rbias[..]),
+                        lora.then_some(&lref),
+                    );
+                    let what = format!("{what}: segment {i}");
+                    assert_close(&what, &read::<R, F>(&c, y), &want, tol, seed);
+                }
+            }
+        }
+    }
+    assert_eq!(
+        gemm::mma_segment_launches() - before,
+        ran,
+        "the segmented mma path did not run for every case (seed {seed})"
+    );
+
+    // Layouts it does not take: nothing launched, `Ok(false)` for the caller's fallback.
+    let (m, k) = (64, 256);
+    let xh = upload::<R, F>(&c, &normal(&mut rng, m * k, 1.0));
+    let mut unaligned: Vec<SegCase> = [384, 64, 128]
+        .iter()
+        .map(|&n| make(&mut rng, QuantFormat::Nvfp4, m, n, k, &xh, rank))
+        .collect();
+    let ys: Vec<Handle> = unaligned
+        .iter()
+        .map(|s| poisoned::<R, F>(&c, m * s.n))
+        .collect();
+    let before = gemm::mma_segment_launches();
+    let p = seg_products(&unaligned, &ys, true, true, rank);
+    assert!(
+        !gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap(),
+        "N = 64 segment"
+    );
+    // unequal bias presence
+    let mut p = seg_products(&unaligned[..1], &ys[..1], true, false, rank);
+    p.extend(seg_products(&unaligned[2..], &ys[2..], false, false, rank));
+    assert!(
+        !gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap(),
+        "bias on one"
+    );
+    // unequal ranks
+    unaligned[1] = make(&mut rng, QuantFormat::Nvfp4, m, 128, k, &xh, 8);
+    let mut p = seg_products(&unaligned[..1], &ys[..1], false, true, rank);
+    p.push(gemm::SegmentProduct {
+        weight: &unaligned[1].dw,
+        bias: None,
+        lora: Some(gemm::LoraEpilogue {
+            t: &unaligned[1].t,
+            b: &unaligned[1].b,
+            rank: 8,
+            scale: 1.0,
+        }),
+        y: &ys[1],
+    });
+    assert!(
+        !gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap(),
+        "ranks 16 and 8"
+    );
+    // switched off (QERL_MMA_SEGMENTS=0)
+    let aligned = [&unaligned[0], &unaligned[2]];
+    let p: Vec<_> = aligned
+        .iter()
+        .zip([&ys[0], &ys[2]])
+        .map(|(s, y)| gemm::SegmentProduct {
+            weight: &s.dw,
+            bias: None,
+            lora: None,
+            y,
+        })
+        .collect();
+    {
+        let _off = Restore::set(false, gemm::mma_segments(), gemm::set_mma_segments);
+        assert!(
+            !gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap(),
+            "switched off"
+        );
+    }
+    assert_eq!(
+        gemm::mma_segment_launches(),
+        before,
+        "a refused layout launched"
+    );
+    // and the same products, switched back on, are taken
+    assert!(
+        gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap(),
+        "N = 384, 128"
+    );
+}
+
 /// Sends M <= 16 to the decode kernel while alive.
 struct DecodeGuard;
 
@@ -1127,6 +1352,8 @@ macro_rules! suite {
             fn matmul_tensor_cores() { super::matmul_tensor_cores::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_mma_decode_batches() { super::matmul_mma::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn matmul_mma_segments() { super::matmul_mma_segments::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_decode_split_k() { super::matmul_decode::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]

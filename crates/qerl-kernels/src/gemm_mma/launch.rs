@@ -315,27 +315,34 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     splitk::reduce::<R, F, F>(client, part, splits, m, n, epilogue, y);
 }
 
-struct Geometry {
-    m: usize,
-    r_tiles: usize,
-    m_tiles: usize,
-    warps: usize,
-    grid: (usize, usize, usize),
+pub(super) struct Geometry {
+    pub(super) m: usize,
+    pub(super) r_tiles: usize,
+    pub(super) m_tiles: usize,
+    pub(super) warps: usize,
+    pub(super) grid: (usize, usize, usize),
     /// Token groups along the grid's x (fastest) dimension, weight rows along y.
-    m_major: bool,
-    per: usize,
-    decode: u32,
+    pub(super) m_major: bool,
+    pub(super) per: usize,
+    pub(super) decode: u32,
     /// `X` through shared memory ([`MmaKernel::Staged`]).
-    staged: bool,
-    prefetch: usize,
-    x_ahead: usize,
+    pub(super) staged: bool,
+    pub(super) prefetch: usize,
+    pub(super) x_ahead: usize,
 }
 
 impl Geometry {
     /// Tiles, grid (with split-K) and decoding for `m` rows of an `n x k` weight on a device of
     /// `sms` multiprocessors; `bf16`: the activations are bf16 (the bit placement is exact
     /// for bf16 only).
-    fn plan(m: usize, n: usize, k: usize, o: &MmaOptions, sms: usize, bf16: bool) -> Geometry {
+    pub(super) fn plan(
+        m: usize,
+        n: usize,
+        k: usize,
+        o: &MmaOptions,
+        sms: usize,
+        bf16: bool,
+    ) -> Geometry {
         let decode = match o.decode.resolve(m) {
             MmaDecode::Table => super::DECODE_TABLE,
             MmaDecode::Bits if bf16 => super::DECODE_BITS,

@@ -40,8 +40,11 @@
 //! `staged.rs` holds the default kernel for bf16 above 8 rows ([`MmaKernel::Staged`]): the same
 //! fragments and spread decoding, with `X` copied into shared memory once per cube in fragment
 //! order and up to 64 tokens per decoded fragment; both kernels end in [`finish`].
+//! `segments.rs` runs its body over two or three weights that share `X` (q/k/v, gate/up) in
+//! one grid, with one split-K reduction for all.
 
 mod launch;
+mod segments;
 mod staged;
 
 pub(crate) use launch::{applies, launch};
@@ -49,6 +52,10 @@ pub use launch::{
     launches, options, set_options, MmaDecode, MmaKernel, MmaOptions, DEFAULT_MAX_M,
     DEFAULT_PREFETCH, DEFAULT_WARPS_PER_SM, DEFAULT_X_AHEAD, MAX_M_LIMIT,
 };
+pub use segments::{
+    enabled as segments_enabled, launches as segment_launches, set_enabled as set_segments,
+};
+pub(crate) use segments::{launch as launch_segments, plan as plan_segments};
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
@@ -371,6 +378,7 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
         m_rows,
         n_cols,
         out0,
+        n_cols,
         rank as usize,
         lora_scale,
         r_tiles,
@@ -383,7 +391,8 @@ fn gemm_mma_kernel<F: Float, O: Float, P: Size, Q: Size>(
 }
 
 /// The end of both kernels: the other 2^63 of the spread decoding (`spread`), the LoRA term
-/// (in slice 0 only when split), then each accumulator into `y` at `out0` with the bias:
+/// (in slice 0 only when split), then each accumulator into `y` at `out0` (rows `y_cols`
+/// apart: `n_cols`, or a segmented workspace's width) with the bias:
 /// tile (r, mt) holds rows g, g + 8 of the weight tile (output columns) for token columns
 /// 2t, 2t + 1.
 #[cube]
@@ -403,6 +412,7 @@ fn finish<F: Float, O: Float, P: Size>(
     m_rows: usize,
     n_cols: usize,
     out0: usize,
+    y_cols: usize,
     rank: usize,
     lora_scale: f32,
     #[comptime] r_tiles: usize,
@@ -452,7 +462,7 @@ fn finish<F: Float, O: Float, P: Size>(
                         if has_bias {
                             out += f32::cast_from(bias[n]);
                         }
-                        y[out0 + m * n_cols + n] = O::cast_from(out);
+                        y[out0 + m * y_cols + n] = O::cast_from(out);
                     }
                 }
             }

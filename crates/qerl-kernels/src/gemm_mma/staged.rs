@@ -57,6 +57,76 @@ pub(super) fn gemm_mma_staged_kernel<F: Float, O: Float, P: Size, Q: Size>(
     #[comptime] split: bool,
     #[comptime] m_major: bool,
 ) {
+    // Not segmented: the three segment arguments are never read (comptime), so the generated
+    // code is the body's alone.
+    staged_body::<F, O, P, Q>(
+        x,
+        codes,
+        scale_bytes,
+        scale_table,
+        bias,
+        lora_t,
+        lora_b,
+        y,
+        m_rows,
+        n_cols,
+        k_dim,
+        split_chunks,
+        rank,
+        lora_scale,
+        0usize,
+        0usize,
+        0usize,
+        warps,
+        r_tiles,
+        m_tiles,
+        block,
+        depth,
+        x_ahead,
+        has_bias,
+        has_lora,
+        split,
+        m_major,
+        false,
+    );
+}
+
+/// The staged product for one weight, shared by [`gemm_mma_staged_kernel`] and the segments
+/// kernel (`segments.rs`). `segmented`: the weight is one of several whose row groups share
+/// the grid: its cubes along `N` start at `seg_cube0`, and when `split` its partial sums go
+/// to a workspace `[splits, M, y_cols]` at column `y_col0` (both unused otherwise).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
+    x: &Array<Vector<u32, Q>>,
+    codes: &Array<Vector<u32, P>>,
+    scale_bytes: &Array<u32>,
+    scale_table: &Array<f32>,
+    bias: &Array<F>,
+    lora_t: &Array<f32>,
+    lora_b: &Array<Vector<F, P>>,
+    y: &mut Array<O>,
+    m_rows: u32,
+    n_cols: u32,
+    k_dim: u32,
+    split_chunks: u32,
+    rank: u32,
+    lora_scale: f32,
+    seg_cube0: usize,
+    y_cols: usize,
+    y_col0: usize,
+    #[comptime] warps: usize,
+    #[comptime] r_tiles: usize,
+    #[comptime] m_tiles: usize,
+    #[comptime] block: usize,
+    #[comptime] depth: usize,
+    #[comptime] x_ahead: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+    #[comptime] split: bool,
+    #[comptime] m_major: bool,
+    #[comptime] segmented: bool,
+) {
     let tid = UNIT_POS as usize;
     let lane = tid % 32;
     let g = lane / 4;
@@ -81,6 +151,9 @@ pub(super) fn gemm_mma_staged_kernel<F: Float, O: Float, P: Size, Q: Size>(
         cube_n = CUBE_POS_Y as usize;
         cube_m = CUBE_POS_X as usize;
     }
+    if segmented {
+        cube_n -= seg_cube0;
+    }
     let n0 = (cube_n * warps + tid / 32) * comptime!(16 * r_tiles);
     let m0 = cube_m * comptime!(8 * m_tiles);
     // A warp past the last row still copies `X` and meets every barrier; it skips the rest.
@@ -93,7 +166,11 @@ pub(super) fn gemm_mma_staged_kernel<F: Float, O: Float, P: Size, Q: Size>(
         let z = CUBE_POS_Z as usize;
         c0 = min(z * split_chunks as usize, chunks);
         c1 = min(c0 + split_chunks as usize, chunks);
-        out0 = z * m_rows * n_cols;
+        if segmented {
+            out0 = z * m_rows * y_cols + y_col0;
+        } else {
+            out0 = z * m_rows * n_cols;
+        }
     }
 
     // The copy: item q of a chunk is the 8-column group q % 8 of token q / 8 (16 bytes).
@@ -286,30 +363,61 @@ pub(super) fn gemm_mma_staged_kernel<F: Float, O: Float, P: Size, Q: Size>(
     if !warp_live {
         terminate!();
     }
-    finish::<F, O, P>(
-        &mut acc,
-        lora_t,
-        lora_b,
-        bias,
-        y,
-        &row_ok,
-        &def,
-        n0,
-        g,
-        t,
-        m0,
-        m_rows,
-        n_cols,
-        out0,
-        rank as usize,
-        lora_scale,
-        r_tiles,
-        m_tiles,
-        true,
-        has_bias,
-        has_lora,
-        split,
-    );
+    // Split segments write rows of the shared workspace (`y_cols` wide); otherwise `y` is
+    // this weight's own `[M, N]`.
+    if segmented && split {
+        finish::<F, O, P>(
+            &mut acc,
+            lora_t,
+            lora_b,
+            bias,
+            y,
+            &row_ok,
+            &def,
+            n0,
+            g,
+            t,
+            m0,
+            m_rows,
+            n_cols,
+            out0,
+            y_cols,
+            rank as usize,
+            lora_scale,
+            r_tiles,
+            m_tiles,
+            true,
+            has_bias,
+            has_lora,
+            split,
+        );
+    } else {
+        finish::<F, O, P>(
+            &mut acc,
+            lora_t,
+            lora_b,
+            bias,
+            y,
+            &row_ok,
+            &def,
+            n0,
+            g,
+            t,
+            m0,
+            m_rows,
+            n_cols,
+            out0,
+            n_cols,
+            rank as usize,
+            lora_scale,
+            r_tiles,
+            m_tiles,
+            true,
+            has_bias,
+            has_lora,
+            split,
+        );
+    }
 }
 
 /// This thread's items of chunk `c` of the cube's tokens into `out[at ..]` (zeros past `M` or
