@@ -365,59 +365,35 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
     }
     // Split segments write rows of the shared workspace (`y_cols` wide); otherwise `y` is
     // this weight's own `[M, N]`.
+    let mut y_stride = n_cols;
     if segmented && split {
-        finish::<F, O, P>(
-            &mut acc,
-            lora_t,
-            lora_b,
-            bias,
-            y,
-            &row_ok,
-            &def,
-            n0,
-            g,
-            t,
-            m0,
-            m_rows,
-            n_cols,
-            out0,
-            y_cols,
-            rank as usize,
-            lora_scale,
-            r_tiles,
-            m_tiles,
-            true,
-            has_bias,
-            has_lora,
-            split,
-        );
-    } else {
-        finish::<F, O, P>(
-            &mut acc,
-            lora_t,
-            lora_b,
-            bias,
-            y,
-            &row_ok,
-            &def,
-            n0,
-            g,
-            t,
-            m0,
-            m_rows,
-            n_cols,
-            out0,
-            n_cols,
-            rank as usize,
-            lora_scale,
-            r_tiles,
-            m_tiles,
-            true,
-            has_bias,
-            has_lora,
-            split,
-        );
+        y_stride = y_cols;
     }
+    finish::<F, O, P>(
+        &mut acc,
+        lora_t,
+        lora_b,
+        bias,
+        y,
+        &row_ok,
+        &def,
+        n0,
+        g,
+        t,
+        m0,
+        m_rows,
+        n_cols,
+        out0,
+        y_stride,
+        rank as usize,
+        lora_scale,
+        r_tiles,
+        m_tiles,
+        true,
+        has_bias,
+        has_lora,
+        split,
+    );
 }
 
 /// This thread's items of chunk `c` of the cube's tokens into `out[at ..]` (zeros past `M` or
