@@ -142,9 +142,17 @@ fn silu_mul_over_whole_and_partial_vectors() {
 
 #[test]
 fn residual_add_and_rms_norm_with_gather() {
+    // One vector a unit or less (96, 1000), two-element vectors (90), several vectors a unit
+    // (3584 f32: 896 vectors over 256 units).
+    for dim in [96, 90, 1000, 3584] {
+        add_rms_norm_case(dim);
+    }
+}
+
+fn add_rms_norm_case(dim: usize) {
     let c = client();
     let (mut g, seed) = rng();
-    let (rows, dim) = (5, 96);
+    let rows = 5;
     let h = uniform(&mut g, rows * dim);
     let d = uniform(&mut g, rows * dim);
     let gain = uniform(&mut g, dim);

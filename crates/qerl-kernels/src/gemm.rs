@@ -30,7 +30,10 @@ pub use crate::gemm_mma::{
     DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM, DEFAULT_X_AHEAD as MMA_DEFAULT_X_AHEAD,
     MAX_M_LIMIT as MMA_MAX_M_LIMIT,
 };
-pub use crate::gemv::{set_decode_max_m, DEFAULT_DECODE_MAX_M};
+pub use crate::gemv::{
+    set_decode_max_m, set_k_planes as set_decode_k_planes, set_pipeline as set_decode_pipeline,
+    DEFAULT_DECODE_MAX_M,
+};
 pub use crate::splitk::force_splits;
 pub use crate::tune::{
     cublas_min_m, cublas_usable, set_strategy, strategy, Strategy, TileConfig,

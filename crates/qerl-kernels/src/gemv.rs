@@ -38,8 +38,68 @@ fn unroll() -> usize {
             .unwrap_or(UNROLL)
     })
 }
+/// Whether the decode kernel issues a step's loads before the previous step's arithmetic:
+/// unread (`usize::MAX`), 0 or 1.
+static PIPELINE: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Turns the decode kernel's pipelined loads on or off (tests, benchmarks); else
+/// `QERL_GEMV_PIPELINE=1` turns them on for a process (off by default until measured).
+pub fn set_pipeline(on: bool) {
+    PIPELINE.store(on as usize, Ordering::Relaxed);
+}
+
+fn pipeline() -> bool {
+    if PIPELINE.load(Ordering::Relaxed) == usize::MAX {
+        let on = std::env::var("QERL_GEMV_PIPELINE").is_ok_and(|v| v == "1");
+        PIPELINE.store(on as usize, Ordering::Relaxed);
+    }
+    PIPELINE.load(Ordering::Relaxed) == 1
+}
+
 /// Planes per cube.
 const PLANES: u32 = 4;
+/// Most planes of a cube that share one group of `ROWS` rows, each taking a part of the
+/// reduction (the cube adds the parts in shared memory). On the narrow products at batch 1
+/// (q/k/v, o: a few hundred cubes) one plane a group left 8 warps a multiprocessor, each
+/// walking 3-4 chunks a unit one after the other (ncu, H100, 2026-11-27: 0.46-0.50 TB/s).
+const MAX_K_PLANES: usize = 4;
+/// Planes sharing a row group: 0 lets [`k_planes`] choose (`QERL_GEMV_K_PLANES`, 1, 2 or 4,
+/// fixes it for a process; [`set_k_planes`] for tests).
+static K_PLANES: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Fixes the planes that share a row group (1, 2 or 4; 0 restores the automatic choice), for
+/// tests and benchmarks.
+pub fn set_k_planes(k_planes: usize) {
+    K_PLANES.store(k_planes, Ordering::Relaxed);
+}
+
+/// Fewest planes sharing a row group: two, even where the row groups alone fill the device
+/// (the gate/up product's 9,472 groups of a 7B model at batch 1). On an H100 (2026-11-27, 7B
+/// decode at batch 1, ncu) gate/up took 47.3 µs with two planes a group against 52.6 with one,
+/// and the step 4.31 ms against 4.59.
+const MIN_K_PLANES: usize = 2;
+
+/// Planes sharing a row group for `planes` groups of `ROWS` rows: the fewest (from
+/// [`MIN_K_PLANES`], doubling) that give the grid `target` planes, else [`MAX_K_PLANES`].
+fn k_planes(planes: usize, target: usize) -> usize {
+    let mut fixed = K_PLANES.load(Ordering::Relaxed);
+    if fixed == usize::MAX {
+        fixed = std::env::var("QERL_GEMV_K_PLANES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|v: &usize| [0, 1, 2, 4].contains(v))
+            .unwrap_or(0);
+        K_PLANES.store(fixed, Ordering::Relaxed);
+    }
+    if fixed > 0 {
+        return fixed;
+    }
+    let mut kp = MIN_K_PLANES;
+    while kp < MAX_K_PLANES && planes * kp < target {
+        kp *= 2;
+    }
+    kp
+}
 /// u32 words per unit load (16 bytes, 32 codes).
 const WORDS: usize = 4;
 /// Fewest chunks per K-slice (two per unit).
@@ -96,9 +156,10 @@ fn gemv_body<F: Float, V: Size, W: Size>(
     lora_t: &Array<f32>,
     lora_b: &Array<F>,
     y: &mut Array<F>,
-    part: &mut Array<f32>,
+    part_out: &mut Array<f32>,
     lut: &SharedMemory<f32>,
     stab: &mut SharedMemory<f32>,
+    red: &mut SharedMemory<f32>,
     cube_x: usize,
     n_cols: u32,
     k_dim: u32,
@@ -113,21 +174,18 @@ fn gemv_body<F: Float, V: Size, W: Size>(
     #[comptime] split: bool,
     #[comptime] plane: usize,
     #[comptime] unroll: usize,
+    #[comptime] kp: usize,
+    #[comptime] pipeline: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let tid = UNIT_POS_Y as usize * plane + lane;
-    if byte_scales {
-        let mut i = tid;
-        while i < 256 {
-            stab[i] = scale_table[i];
-            i += comptime!(plane * PLANES as usize);
-        }
-    }
-    sync_cube();
-
     let n_cols = n_cols as usize;
     let k_dim = k_dim as usize;
-    let n0 = (cube_x * PLANES as usize + UNIT_POS_Y as usize) * ROWS;
+    // `kp` planes share a group of ROWS rows, plane `part` of them taking every kp-th run of
+    // `plane` chunks.
+    let py = UNIT_POS_Y as usize;
+    let part = py % kp;
+    let n0 = (cube_x * comptime!(PLANES as usize / kp) + py / kp) * ROWS;
     let chunks = k_dim / (8 * WORDS);
     let c_begin = CUBE_POS_Y as usize * split_chunks as usize;
     let c_end = min(c_begin + split_chunks as usize, chunks);
@@ -147,29 +205,68 @@ fn gemv_body<F: Float, V: Size, W: Size>(
     let mut s_reg = Array::<u32>::new(comptime!(ROWS * unroll));
     let mut s_val = Array::<f32>::new(comptime!(ROWS * unroll));
 
-    let mut c = c_begin + lane;
+    // Pipelined, the next step's loads are in flight during this step's arithmetic.
+    let mut w_next = Array::<Vector<u32, W>>::new(comptime!(ROWS * unroll));
+    let mut s_next = Array::<u32>::new(comptime!(ROWS * unroll));
+    let mut sv_next = Array::<f32>::new(comptime!(ROWS * unroll));
+    let step = comptime!(plane * kp * unroll);
+    let mut c = c_begin + part * plane + lane;
+    // The first step's loads go out before the block-scale table is filled and synchronised,
+    // so that the cube's start does not wait on two global round trips.
+    if c < c_end {
+        load_step::<W>(
+            codes,
+            scale_bytes,
+            scale_table,
+            &mut w_reg,
+            &mut s_reg,
+            &mut s_val,
+            c,
+            c_end,
+            n0,
+            n_cols,
+            chunks,
+            row_elems,
+            block,
+            byte_scales,
+            plane,
+            unroll,
+            kp,
+        );
+    }
+    if byte_scales {
+        let mut i = tid;
+        while i < 256 {
+            stab[i] = scale_table[i];
+            i += comptime!(plane * PLANES as usize);
+        }
+    }
+    sync_cube();
     while c < c_end {
-        // Issue every load of this step first.
-        #[unroll]
-        for u in 0..unroll {
-            let cu = c + u * plane;
-            let cl = min(cu, c_end - 1);
-            #[unroll]
-            for r in 0..ROWS {
-                // Rows past N read the last row (in bounds) and are never stored.
-                let n = min(n0 + r, n_cols - 1);
-                w_reg[u * ROWS + r] = codes[n * chunks + cl];
-                let b = (n * row_elems + cl * 32) / block;
-                if byte_scales {
-                    s_reg[u * ROWS + r] = scale_bytes[b / 4] >> (((b % 4) * 8) as u32);
-                } else {
-                    s_val[u * ROWS + r] = scale_table[b];
-                }
-            }
+        if pipeline && c + step < c_end {
+            load_step::<W>(
+                codes,
+                scale_bytes,
+                scale_table,
+                &mut w_next,
+                &mut s_next,
+                &mut sv_next,
+                c + step,
+                c_end,
+                n0,
+                n_cols,
+                chunks,
+                row_elems,
+                block,
+                byte_scales,
+                plane,
+                unroll,
+                kp,
+            );
         }
         #[unroll]
         for u in 0..unroll {
-            let cu = c + u * plane;
+            let cu = c + u * comptime!(plane * kp);
             if cu < c_end {
                 #[unroll]
                 for wi in 0..WORDS {
@@ -212,30 +309,178 @@ fn gemv_body<F: Float, V: Size, W: Size>(
                 }
             }
         }
-        c += comptime!(plane * unroll);
+        if pipeline {
+            #[unroll]
+            for i in 0..ROWS * unroll {
+                w_reg[i] = w_next[i];
+                s_reg[i] = s_next[i];
+                s_val[i] = sv_next[i];
+            }
+        } else if c + step < c_end {
+            load_step::<W>(
+                codes,
+                scale_bytes,
+                scale_table,
+                &mut w_reg,
+                &mut s_reg,
+                &mut s_val,
+                c + step,
+                c_end,
+                n0,
+                n_cols,
+                chunks,
+                row_elems,
+                block,
+                byte_scales,
+                plane,
+                unroll,
+                kp,
+            );
+        }
+        c += step;
     }
 
     let rank = rank as usize;
     let out0 = CUBE_POS_Y as usize * m_rows * n_cols;
+    let outs = comptime!(ROWS * m_rows);
     #[unroll]
     for r in 0..ROWS {
         #[unroll]
         for m in 0..m_rows {
             let total = plane_sum(acc[r * m_rows + m]);
-            let n = n0 + r;
             if lane == (r * m_rows + m) % plane {
-                if split {
-                    if n < n_cols {
-                        part[out0 + m * n_cols + n] = total;
-                    }
+                if kp > 1 {
+                    red[py * outs + r * m_rows + m] = total;
                 } else {
-                    store_output::<F>(
-                        total, m, n, bias, lora_t, lora_b, y, m_rows, n_cols, rank, lora_scale,
-                        has_bias, has_lora,
+                    gemv_store::<F>(
+                        total,
+                        m,
+                        n0 + r,
+                        out0,
+                        bias,
+                        lora_t,
+                        lora_b,
+                        y,
+                        part_out,
+                        m_rows,
+                        n_cols,
+                        rank,
+                        lora_scale,
+                        has_bias,
+                        has_lora,
+                        split,
                     );
                 }
             }
         }
+    }
+    if kp > 1 {
+        // The first plane of each group adds the group's parts, in plane order.
+        sync_cube();
+        if part == 0 {
+            let mut i = lane;
+            while i < outs {
+                let mut total = red[py * outs + i];
+                #[unroll]
+                for j in 1..kp {
+                    total += red[(py + j) * outs + i];
+                }
+                gemv_store::<F>(
+                    total,
+                    i % m_rows,
+                    n0 + i / m_rows,
+                    out0,
+                    bias,
+                    lora_t,
+                    lora_b,
+                    y,
+                    part_out,
+                    m_rows,
+                    n_cols,
+                    rank,
+                    lora_scale,
+                    has_bias,
+                    has_lora,
+                    split,
+                );
+                i += plane;
+            }
+        }
+    }
+}
+
+/// Issues the loads of one step of [`gemv_body`]: `unroll` chunks of each of the `ROWS` rows
+/// from chunk `c` (every `plane * kp`-th), and their scales.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_step<W: Size>(
+    codes: &Array<Vector<u32, W>>,
+    scale_bytes: &Array<u32>,
+    scale_table: &Array<f32>,
+    w_reg: &mut Array<Vector<u32, W>>,
+    s_reg: &mut Array<u32>,
+    s_val: &mut Array<f32>,
+    c: usize,
+    c_end: usize,
+    n0: usize,
+    n_cols: usize,
+    chunks: usize,
+    row_elems: usize,
+    #[comptime] block: usize,
+    #[comptime] byte_scales: bool,
+    #[comptime] plane: usize,
+    #[comptime] unroll: usize,
+    #[comptime] kp: usize,
+) {
+    #[unroll]
+    for u in 0..unroll {
+        let cl = min(c + u * comptime!(plane * kp), c_end - 1);
+        #[unroll]
+        for r in 0..ROWS {
+            // Rows past N read the last row (in bounds) and are never stored.
+            let n = min(n0 + r, n_cols - 1);
+            w_reg[u * ROWS + r] = codes[n * chunks + cl];
+            let b = (n * row_elems + cl * 32) / block;
+            if byte_scales {
+                s_reg[u * ROWS + r] = scale_bytes[b / 4] >> (((b % 4) * 8) as u32);
+            } else {
+                s_val[u * ROWS + r] = scale_table[b];
+            }
+        }
+    }
+}
+
+/// Stores one output of [`gemv_body`]: its f32 partial sum when split, else the output with its
+/// epilogue. Rows past `n_cols` are not stored.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn gemv_store<F: Float>(
+    total: f32,
+    m: usize,
+    n: usize,
+    out0: usize,
+    bias: &Array<F>,
+    lora_t: &Array<f32>,
+    lora_b: &Array<F>,
+    y: &mut Array<F>,
+    part_out: &mut Array<f32>,
+    #[comptime] m_rows: usize,
+    n_cols: usize,
+    rank: usize,
+    lora_scale: f32,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+    #[comptime] split: bool,
+) {
+    if split {
+        if n < n_cols {
+            part_out[out0 + m * n_cols + n] = total;
+        }
+    } else {
+        store_output::<F>(
+            total, m, n, bias, lora_t, lora_b, y, m_rows, n_cols, rank, lora_scale, has_bias,
+            has_lora,
+        );
     }
 }
 
@@ -265,9 +510,12 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
     #[comptime] split: bool,
     #[comptime] plane: usize,
     #[comptime] unroll: usize,
+    #[comptime] kp: usize,
+    #[comptime] pipeline: bool,
 ) {
     let mut lut = SharedMemory::<f32>::new(16usize);
     let mut stab = SharedMemory::<f32>::new(256usize);
+    let mut red = SharedMemory::<f32>::new(comptime!(PLANES as usize * ROWS * m_rows));
     let tid = UNIT_POS_Y as usize * plane + UNIT_POS_X as usize;
     if tid < 16 {
         lut[tid] = code_table[tid];
@@ -284,6 +532,7 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
         part,
         &lut,
         &mut stab,
+        &mut red,
         CUBE_POS_X as usize,
         n_cols,
         k_dim,
@@ -298,6 +547,8 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
         split,
         plane,
         unroll,
+        kp,
+        pipeline,
     );
 }
 
@@ -349,9 +600,12 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
     #[comptime] segments: usize,
     #[comptime] plane: usize,
     #[comptime] unroll: usize,
+    #[comptime] kp: usize,
+    #[comptime] pipeline: bool,
 ) {
     let mut lut = SharedMemory::<f32>::new(16usize);
     let mut stab = SharedMemory::<f32>::new(256usize);
+    let mut red = SharedMemory::<f32>::new(comptime!(PLANES as usize * ROWS * m_rows));
     let tid = UNIT_POS_Y as usize * plane + UNIT_POS_X as usize;
     if tid < 16 {
         lut[tid] = code_table[tid];
@@ -372,6 +626,7 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
             part,
             &lut,
             &mut stab,
+            &mut red,
             cx,
             n0,
             k_dim,
@@ -386,6 +641,8 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
             false,
             plane,
             unroll,
+            kp,
+            pipeline,
         );
     } else if segments > 1 && cx < c1 {
         gemv_body::<F, V, W>(
@@ -400,6 +657,7 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
             part,
             &lut,
             &mut stab,
+            &mut red,
             cx - c0,
             n1,
             k_dim,
@@ -414,6 +672,8 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
             false,
             plane,
             unroll,
+            kp,
+            pipeline,
         );
     } else if segments > 2 {
         gemv_body::<F, V, W>(
@@ -428,6 +688,7 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
             part,
             &lut,
             &mut stab,
+            &mut red,
             cx - c1,
             n2,
             k_dim,
@@ -442,6 +703,8 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
             false,
             plane,
             unroll,
+            kp,
+            pipeline,
         );
     }
 }
@@ -479,10 +742,11 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     let (n, k) = (weight.n, weight.k);
     // 32 wherever `applies` holds; tests may run other widths.
     let plane = client.properties().hardware.plane_size_max as usize;
-    let cubes = n.div_ceil(ROWS * PLANES as usize);
     let planes = n.div_ceil(ROWS);
     let target = PLANES_PER_SM * splitk::multiprocessors(client);
-    let (splits, per) = splitk::plan(planes, k / (8 * WORDS), target, MIN_SPLIT_CHUNKS);
+    let kp = k_planes(planes, target);
+    let cubes = n.div_ceil(ROWS * PLANES as usize / kp);
+    let (splits, per) = splitk::plan(planes * kp, k / (8 * WORDS), target, MIN_SPLIT_CHUNKS * kp);
     let split = splits > 1;
     let unused = weight.code_table.clone();
     // Unsplit, `part` is never written: bound to the code table.
@@ -534,6 +798,8 @@ pub(crate) fn launch<R: Runtime, F: Float>(
             split,
             plane,
             unroll(),
+            kp,
+            pipeline(),
         );
     }
     if split {
@@ -565,6 +831,7 @@ pub(crate) fn segments_apply<R: Runtime>(
     let (k, format) = (first.weight.k, first.weight.format);
     let rank = first.lora.map(|l| l.2);
     let target = PLANES_PER_SM * splitk::multiprocessors(client);
+    let kp = segments_k_planes(segs, target);
     (2..=3).contains(&segs.len())
         && applies(client, m, k, tensor_cores)
         && segs.iter().all(|s| {
@@ -573,13 +840,18 @@ pub(crate) fn segments_apply<R: Runtime>(
                 && s.bias.is_some() == first.bias.is_some()
                 && s.lora.map(|l| l.2) == rank
                 && splitk::plan(
-                    s.weight.n.div_ceil(ROWS),
+                    s.weight.n.div_ceil(ROWS) * kp,
                     k / (8 * WORDS),
                     target,
-                    MIN_SPLIT_CHUNKS,
+                    MIN_SPLIT_CHUNKS * kp,
                 )
                 .0 == 1
         })
+}
+
+/// Planes sharing a row group in one launch of these segments (chosen from their rows together).
+fn segments_k_planes(segs: &[Segment<'_>], target: usize) -> usize {
+    k_planes(segs.iter().map(|s| s.weight.n.div_ceil(ROWS)).sum(), target)
 }
 
 /// Launches two or three decode products of one input `x [m, K]` as one grid; the caller has
@@ -593,7 +865,9 @@ pub(crate) fn launch_segments<R: Runtime, F: Float>(
     let plane = client.properties().hardware.plane_size_max as usize;
     let k = segs[0].weight.k;
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
-    let cubes = |i: usize| seg(i).weight.n.div_ceil(ROWS * PLANES as usize);
+    let target = PLANES_PER_SM * splitk::multiprocessors(client);
+    let kp = segments_k_planes(segs, target);
+    let cubes = |i: usize| seg(i).weight.n.div_ceil(ROWS * PLANES as usize / kp);
     let total: usize = (0..segs.len()).map(cubes).sum();
     let unused = segs[0].weight.code_table.clone();
     let has_bias = segs[0].bias.is_some();
@@ -671,6 +945,8 @@ pub(crate) fn launch_segments<R: Runtime, F: Float>(
             segs.len(),
             plane,
             unroll(),
+            kp,
+            pipeline(),
         );
     }
 }

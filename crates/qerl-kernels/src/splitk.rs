@@ -152,18 +152,32 @@ pub(crate) fn reduce<R: Runtime, F: Float, O: Float>(
     let aligned = y
         .offset_start
         .is_none_or(|o| o.is_multiple_of(4 * std::mem::size_of::<O>() as u64));
-    let vs = if n.is_multiple_of(4) && aligned && splits <= VECTOR_MAX_SPLITS {
+    // ... and only where that still leaves a cube a multiprocessor: at one row (the batch-1
+    // down product, 2 slices, N = 3584) four outputs a unit left 4 cubes, and the reduction
+    // took 13 µs (ncu, H100, 2026-11-27).
+    let sms = multiprocessors(client);
+    let vs = if n.is_multiple_of(4)
+        && aligned
+        && splits <= VECTOR_MAX_SPLITS
+        && total / 4 >= 256 * sms
+    {
         4
     } else {
         1
+    };
+    // Few outputs: small cubes, so that more multiprocessors share them.
+    let units = if (total / vs).div_ceil(256) < 2 * sms {
+        64
+    } else {
+        256
     };
     // SAFETY: `part` holds splits*m*n f32 (from `workspace`), the caller checked `y`, bias and
     // the LoRA buffers; every access is bounded by m*n, the rank and the splits.
     unsafe {
         reduce_kernel::launch_unchecked::<F, O, R>(
             client,
-            grid_1d((total / vs).div_ceil(256)),
-            CubeDim::new_1d(256),
+            grid_1d((total / vs).div_ceil(units)),
+            CubeDim::new_1d(units as u32),
             vs,
             ArrayArg::from_raw_parts(part.clone(), splits * total / vs),
             ArrayArg::from_raw_parts(bias, n),

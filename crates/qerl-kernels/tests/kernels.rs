@@ -1013,6 +1013,105 @@ impl Drop for DecodeGuard {
     }
 }
 
+/// Fixes the decode kernel's planes per row group (0: its own choice) and its pipelined loads
+/// while alive.
+struct KPlanesGuard;
+
+impl KPlanesGuard {
+    fn set(k_planes: usize, pipelined: bool) -> KPlanesGuard {
+        gemm::set_decode_k_planes(k_planes);
+        gemm::set_decode_pipeline(pipelined);
+        KPlanesGuard
+    }
+}
+
+impl Drop for KPlanesGuard {
+    fn drop(&mut self) {
+        gemm::set_decode_k_planes(0);
+        gemm::set_decode_pipeline(false);
+    }
+}
+
+/// Products sharing an input as one decode launch (one row: q/k/v-like and gate/up-like
+/// segments), with each planes-per-row-group choice, with and without bias and LoRA, against
+/// the f64 reference of each segment.
+pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) {
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    let (m, rank) = (1, 16);
+    let cases: [(QuantFormat, &[usize], usize); 3] = [
+        (QuantFormat::Nvfp4, &[512, 128, 128], 2080),
+        (QuantFormat::Mxfp4, &[384, 256], 1024),
+        (QuantFormat::Nvfp4, &[300, 36, 36], 4096),
+    ];
+    for (format, widths, k) in cases {
+        let x = normal(&mut rng, m * k, 1.0);
+        let xh = upload::<R, F>(&c, &x);
+        let rx = rounded::<F>(&x);
+        let segs: Vec<SegCase> = widths
+            .iter()
+            .map(|&n| {
+                let w = random_weight(&mut rng, format, n, k);
+                let bias = normal(&mut rng, n, 0.5);
+                let a = normal(&mut rng, rank * k, 0.1);
+                let b = normal(&mut rng, n * rank, 0.1);
+                let ah = upload::<R, F>(&c, &a);
+                let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
+                gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
+                SegCase {
+                    n,
+                    dw: DeviceWeight::upload(&c, &w).unwrap(),
+                    deq: w.dequantize(),
+                    bias: upload::<R, F>(&c, &bias),
+                    rbias: rounded::<F>(&bias),
+                    ra: rounded::<F>(&a),
+                    rb: rounded::<F>(&b),
+                    t,
+                    b: upload::<R, F>(&c, &b),
+                    scale: 0.5 + n as f32 / 1024.0,
+                }
+            })
+            .collect();
+        for (kp, pipe) in [(0, false), (1, true), (2, false), (4, true)] {
+            let _kp = KPlanesGuard::set(kp, pipe);
+            for (bias, lora) in [(true, true), (false, false)] {
+                let what = format!(
+                    "decode segments {format} N={widths:?} K={k} k_planes={kp} pipelined={pipe} \
+                     bias={bias} lora={lora}"
+                );
+                let ys: Vec<Handle> = segs.iter().map(|s| poisoned::<R, F>(&c, m * s.n)).collect();
+                let p = seg_products(&segs, &ys, bias, lora, rank);
+                if !gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap() {
+                    eprintln!("{what}: not taken here (no decode kernel on this runtime)");
+                    return;
+                }
+                for (i, (s, y)) in segs.iter().zip(&ys).enumerate() {
+                    let lref = LoraRef {
+                        a: &s.ra,
+                        b: &s.rb,
+                        rank,
+                        scale: s.scale as f64,
+                    };
+                    let want = matmul_ref(
+                        &rx,
+                        &s.deq,
+                        m,
+                        s.n,
+                        k,
+                        bias.then_some(&s.rbias[..]),
+                        lora.then_some(&lref),
+                    );
+                    let what = format!("{what}: segment {i}");
+                    assert_close(&what, &read::<R, F>(&c, y), &want, tol, seed);
+                }
+            }
+        }
+    }
+}
+
 /// The decode kernel (M <= 16 where the runtime has 32-wide warps; elsewhere the tiled kernel):
 /// M from 1 to 16 with bias and LoRA, unsplit and with forced K-slices that do not divide the
 /// reduction (K/32 = 65 chunks into 3 and 7 slices), rows not a multiple of the plane's 4, and
@@ -1041,8 +1140,23 @@ pub fn matmul_decode<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
                 "decode {format} N={n} K={k} M={m}: {:.1?}",
                 started.elapsed()
             );
-            for forced in [None, Some(3), Some(7)] {
+            // Forced K-slices, then (few rows only) forced planes per row group.
+            // (K-slices, planes per row group, pipelined loads)
+            let planes: &[(Option<usize>, usize, bool)] = if m <= 5 {
+                &[
+                    (None, 0, false),
+                    (Some(3), 0, false),
+                    (Some(7), 0, true),
+                    (None, 1, true),
+                    (None, 2, false),
+                    (Some(3), 4, true),
+                ]
+            } else {
+                &[(None, 0, false), (Some(3), 0, true), (Some(7), 0, false)]
+            };
+            for &(forced, kp, pipe) in planes {
                 let _guard = SplitGuard::force(forced);
+                let _kp = KPlanesGuard::set(kp, pipe);
                 let rank = 8;
                 let x = normal(&mut rng, m * k, 1.0);
                 let bias = normal(&mut rng, n, 0.5);
@@ -1080,7 +1194,8 @@ pub fn matmul_decode<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
                     Some(&rounded::<F>(&bias)),
                     Some(&lref),
                 );
-                let what = format!("decode {format} M={m} N={n} K={k} splits={forced:?}");
+                let what =
+                    format!("decode {format} M={m} N={n} K={k} splits={forced:?} k_planes={kp} pipelined={pipe}");
                 assert_close(&what, &read::<R, F>(&c, &y), &want, tol, seed);
 
                 // And without the epilogue, the plain product.
@@ -1356,6 +1471,8 @@ macro_rules! suite {
             fn matmul_mma_segments() { super::matmul_mma_segments::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_decode_split_k() { super::matmul_decode::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn matmul_decode_segments() { super::matmul_decode_segments::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_tensor_cores_split_k() { super::matmul_split_k::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]

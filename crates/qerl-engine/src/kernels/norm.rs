@@ -10,9 +10,6 @@ use cubecl::server::Handle;
 
 use super::{grid_rows, row_of_cube, ROW_CUBE};
 
-/// Elements a unit loads before it uses them.
-const UNROLL: usize = 4;
-
 /// Tree sum of `partial[0..ROW_CUBE]` into `partial[0]`; every unit of the cube calls it.
 #[cube]
 pub(crate) fn cube_sum(partial: &mut SharedMemory<f32>) {
@@ -25,16 +22,6 @@ pub(crate) fn cube_sum(partial: &mut SharedMemory<f32>) {
         sync_cube();
         stride /= 2;
     }
-}
-
-/// `h[i] (+ d[i])` rounded to `F`, in f32: the residual stream after the add.
-#[cube]
-fn summed<F: Float>(h: &Array<F>, d: &Array<F>, i: usize, #[comptime] add: bool) -> f32 {
-    let mut v = h[i];
-    if add {
-        v = F::cast_from(f32::cast_from(v) + f32::cast_from(d[i]));
-    }
-    f32::cast_from(v)
 }
 
 /// `h[r, :] = table[tokens[r], :]`.
@@ -62,76 +49,86 @@ fn embed_kernel<F: Float>(
 /// `x = h[s] + d[s]` when `add` (rounded to `F`; written back to `h[s]` as the layer's residual,
 /// except when gathering: a source row may be gathered several times, and the final norm's
 /// residual is not needed afterwards), then `y[i] = x / sqrt(mean(x²) + eps) ⊙ gain`.
+///
+/// Each unit loads its `per_unit` vectors of the row at once and keeps them in registers for
+/// the second half, so a row costs one round trip to memory before the cube's sum (the
+/// previous form loaded 4 scalars at a time and read the row again after the sum: 7 µs a row
+/// at batch 1 on an H100, 57 launches a 7B decode step).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn add_rms_norm_kernel<F: Float>(
-    h: &mut Array<F>,
-    d: &Array<F>,
+fn add_rms_norm_kernel<F: Float, V: Size>(
+    h: &mut Array<Vector<F, V>>,
+    d: &Array<Vector<F, V>>,
     gain: &Array<f32>,
     index: &Array<u32>,
-    y: &mut Array<F>,
+    y: &mut Array<Vector<F, V>>,
     rows: u32,
     dim: u32,
     eps: f32,
     #[comptime] add: bool,
     #[comptime] gather: bool,
+    #[comptime] per_unit: usize,
 ) {
+    let vs = h.vector_size();
     let mut partial = SharedMemory::<f32>::new(ROW_CUBE as usize);
     let i = row_of_cube();
     // The whole cube takes the same branch, so the barriers inside are uniform.
     if i < rows as usize {
-        let dim = dim as usize;
+        let vecs = dim as usize / vs;
         let mut s = i;
         if gather {
             s = index[i] as usize;
         }
         let t = UNIT_POS_X as usize;
         let step = CUBE_DIM_X as usize;
-        // UNROLL elements per unit per iteration, their loads issued together (clamped in
-        // bounds; the ones past the end count zero and are not stored).
-        let mut sq = 0.0f32;
-        let mut c0 = t;
-        while c0 < dim {
-            let mut e = Array::<f32>::new(UNROLL);
-            #[unroll]
-            for u in 0..UNROLL {
-                e[u] = summed(h, d, s * dim + min(c0 + u * step, dim - 1), add);
+        // Every load first (clamped in bounds; vectors past the end are not used).
+        let mut e = Array::<Vector<F, V>>::new(per_unit);
+        #[unroll]
+        for u in 0..per_unit {
+            let v = min(t + u * step, vecs - 1);
+            let x = h[s * vecs + v];
+            if add {
+                let dv = d[s * vecs + v];
+                let mut sum = Vector::<F, V>::empty();
+                #[unroll]
+                for k in 0..vs {
+                    sum[k] = F::cast_from(f32::cast_from(x[k]) + f32::cast_from(dv[k]));
+                }
+                e[u] = sum;
+            } else {
+                e[u] = x;
             }
-            #[unroll]
-            for u in 0..UNROLL {
-                let c = c0 + u * step;
-                if c < dim {
-                    if add && !gather {
-                        h[s * dim + c] = F::cast_from(e[u]);
-                    }
-                    sq += e[u] * e[u];
+        }
+        let mut sq = 0.0f32;
+        #[unroll]
+        for u in 0..per_unit {
+            let v = t + u * step;
+            if v < vecs {
+                if add && !gather {
+                    h[s * vecs + v] = e[u];
+                }
+                #[unroll]
+                for k in 0..vs {
+                    let f = f32::cast_from(e[u][k]);
+                    sq += f * f;
                 }
             }
-            c0 += comptime!(UNROLL) * step;
         }
         partial[t] = sq;
         sync_cube();
         cube_sum(&mut partial);
         let r = 1.0f32 / f32::sqrt(partial[0] / dim as f32 + eps);
-        let mut c0 = t;
-        while c0 < dim {
-            // Written back above unless gathering: then the sum is taken again.
-            let mut e = Array::<f32>::new(UNROLL);
-            let mut g = Array::<f32>::new(UNROLL);
-            #[unroll]
-            for u in 0..UNROLL {
-                let c = min(c0 + u * step, dim - 1);
-                e[u] = summed(h, d, s * dim + c, add && gather);
-                g[u] = gain[c];
-            }
-            #[unroll]
-            for u in 0..UNROLL {
-                let c = c0 + u * step;
-                if c < dim {
-                    y[i * dim + c] = F::cast_from(e[u] * r * g[u]);
+        #[unroll]
+        for u in 0..per_unit {
+            let v = t + u * step;
+            if v < vecs {
+                let mut out = Vector::<F, V>::empty();
+                #[unroll]
+                for k in 0..vs {
+                    out[k] = F::cast_from(f32::cast_from(e[u][k]) * r * gain[v * vs + k]);
                 }
+                y[i * vecs + v] = out;
             }
-            c0 += comptime!(UNROLL) * step;
         }
     }
 }
@@ -180,24 +177,29 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
     y: &Handle,
 ) {
     let unused = gain.clone();
+    let vs = super::vector_width::<F>(dim);
+    let per_unit = (dim / vs).div_ceil(ROW_CUBE as usize);
     // SAFETY: `h` and `d` hold `h_rows * dim` elements, `y` `rows * dim`, `gain` `dim`, and
-    // `index` `rows` ids below `h_rows` (built by the engine).
+    // `index` `rows` ids below `h_rows` (built by the engine); `vs` divides `dim`, and the
+    // kernel clamps its loads to the row's `dim / vs` vectors and stores only inside it.
     unsafe {
         add_rms_norm_kernel::launch_unchecked::<F, R>(
             client,
             grid_rows(rows),
             CubeDim::new_1d(ROW_CUBE),
-            ArrayArg::from_raw_parts(h.clone(), h_rows * dim),
-            // Without `d` the gain stands in (never read: `add` is false).
-            ArrayArg::from_raw_parts(d.unwrap_or(gain).clone(), h_rows * dim),
+            vs,
+            ArrayArg::from_raw_parts(h.clone(), h_rows * dim / vs),
+            // Without `d` the residual stands in (never read: `add` is false).
+            ArrayArg::from_raw_parts(d.unwrap_or(h).clone(), h_rows * dim / vs),
             ArrayArg::from_raw_parts(gain.clone(), dim),
             ArrayArg::from_raw_parts(index.unwrap_or(&unused).clone(), rows.max(1)),
-            ArrayArg::from_raw_parts(y.clone(), rows * dim),
+            ArrayArg::from_raw_parts(y.clone(), rows * dim / vs),
             rows as u32,
             dim as u32,
             eps,
             d.is_some(),
             index.is_some(),
+            per_unit,
         );
     }
 }
