@@ -232,8 +232,9 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     )
 }
 
-/// Up to this many rows (every decode batch) the LoRA down-projections go through the dense
-/// kernel (rows in groups of [`dense::MAX_ROWS`]; the rank-r weights stay in cache): on an H100
+/// Up to this many rows (every decode batch) the LoRA down-projections go through
+/// [`crate::kernels::lora_down`] (plane operations, CUDA) or else the dense kernel (rows in
+/// groups of [`dense::MAX_ROWS`]; the rank-r weights stay in cache): on an H100
 /// at 64 rows the tensor-core path took 12 us for each of the seven plus a split-K reduce each
 /// (ncu, 2026-11-24): 3.5 ms of a 25 ms step.
 const LORA_DENSE_MAX_ROWS: usize = 256;
@@ -255,16 +256,17 @@ fn linears<R: Runtime, F: Float>(
     if adapters.len() == layers.len() && same_rank && m <= LORA_DENSE_MAX_ROWS {
         let a: Vec<&Handle> = adapters.iter().map(|a| &a.a).collect();
         let out: Vec<&Handle> = t.iter().take(a.len()).collect();
-        dense::<R, F, f32>(
-            client,
-            x,
-            m,
-            &a,
-            adapters[0].rank,
-            k,
-            Default::default(),
-            &out,
-        );
+        let rank = adapters[0].rank;
+        // The plane kernel where it runs (CUDA), unless `QERL_LORA_DOWN=dense` (read once)
+        // keeps the portable dense kernel, for A/B timing.
+        static DENSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let forced =
+            *DENSE.get_or_init(|| std::env::var("QERL_LORA_DOWN").is_ok_and(|v| v == "dense"));
+        let ran = !forced
+            && crate::kernels::lora_down::lora_down::<R, F>(client, x, m, &a, rank, k, &out);
+        if !ran {
+            dense::<R, F, f32>(client, x, m, &a, rank, k, Default::default(), &out);
+        }
     } else {
         for (i, a) in layers.iter().enumerate() {
             if let Some(a) = &a.lora {

@@ -17,6 +17,9 @@
 //! to F once (≤ u·|ref|). So |err| ≤ 2^-8·(1 + |ref|) + f32 noise ≈ 3.9e-3·(1 + |ref|): the
 //! bound leaves a factor 2.5. f16 (u = 2^-11) passes the same bound with more room.
 //!
+//! The LoRA down-projection (`kernels::lora_down`, tests `cuda_lora_down_*`) has its own inputs
+//! and bound, described above its tests at the end of this file.
+//!
 //! Needs a CUDA GPU (device 0) and the CUDA headers (NVRTC) at run time:
 //! `cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored`.
 #![cfg(feature = "cuda")]
@@ -293,5 +296,203 @@ fn cuda_attention_auto_dispatch() {
             tc_launches() > before,
             "attention did not take the tensor-core kernel for bf16"
         );
+    }
+}
+
+// LoRA down-projection (`kernels::lora_down`): `T_s [m, r] = X [m, K] · A_sᵀ` in f32.
+//
+// Inputs are uniform in [−1, 1), rounded to F (fresh seed each run, printed on failure); the
+// reference is the f64 sum of the rounded products. Error bound, per output:
+// |got − ref| ≤ 1e-4·Σ_k |x·a| (+1e-30). Why: the kernel forms each product exactly (`fma` of
+// F values) and adds in f32 along a chain of at most 80 `fma`s a unit (10 vectors of 8 at
+// K = 18944 in bf16, 19 of 4 in f32), then a 5-level plane tree and 7 plane additions, so any
+// term goes through d < 100 roundings: |err| ≤ γ_d·Σ|x·a| ≈ d·2^-24·Σ|x·a| < 6e-6·Σ|x·a|.
+// The bound leaves a factor > 10, and a missed or doubled vector (8 terms of 1000) is ~1e-3.
+// Outputs are poisoned with NaN before each launch and carry 32 NaN guard values past m·r
+// that must stay NaN. Every case asserts that `lora_down` ran (returned true).
+
+use qerl_engine::kernels::lora_down::{lora_down, tile};
+
+const LD_MS: [usize; 5] = [1, 3, 8, 64, 200];
+const LD_KS: [usize; 3] = [3584, 18944, 1000];
+const LD_GUARD: usize = 32;
+
+/// Random X `[200, K]` and three A `[16, K]` rounded to F (a rank-8 adapter is the first 8
+/// rows), with the f64 reference `T_s[row][j]` and `Σ_k |x·a|` for every row and row of A.
+struct LdCase<F> {
+    k: usize,
+    x: Vec<F>,
+    a: [Vec<F>; 3],
+    t: [Vec<f64>; 3],
+    mag: [Vec<f64>; 3],
+}
+
+fn ld_case<F: Float>(g: &mut StdRng, k: usize) -> LdCase<F> {
+    let rows = LD_MS[LD_MS.len() - 1];
+    let mut uni = |n: usize| -> Vec<F> {
+        to_f(
+            &(0..n)
+                .map(|_| g.random_range(-1.0..1.0))
+                .collect::<Vec<f32>>(),
+        )
+    };
+    let x = uni(rows * k);
+    let a = [uni(16 * k), uni(16 * k), uni(16 * k)];
+    let f64s = |v: &[F]| -> Vec<f64> { v.iter().map(|x| x.to_f64().unwrap()).collect() };
+    let xd = f64s(&x);
+    let (mut t, mut mag) = ([vec![], vec![], vec![]], [vec![], vec![], vec![]]);
+    for s in 0..3 {
+        let ad = f64s(&a[s]);
+        for row in 0..rows {
+            for j in 0..16 {
+                let (xr, ar) = (&xd[row * k..][..k], &ad[j * k..][..k]);
+                let (mut sum, mut abs) = (0.0f64, 0.0f64);
+                for i in 0..k {
+                    let p = xr[i] * ar[i];
+                    sum += p;
+                    abs += p.abs();
+                }
+                t[s].push(sum);
+                mag[s].push(abs);
+            }
+        }
+    }
+    LdCase { k, x, a, t, mag }
+}
+
+/// Runs `lora_down` on the first `m` rows and `adapters` adapters of rank `rank`; asserts it
+/// ran, and returns each output (m·rank values) after checking that its guard stayed NaN.
+fn ld_run<F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    case: &LdCase<F>,
+    m: usize,
+    adapters: usize,
+    rank: usize,
+    what: &str,
+) -> Vec<Vec<f32>> {
+    let k = case.k;
+    let xh = up(c, &case.x[..m * k]);
+    let ah: Vec<Handle> = (0..adapters)
+        .map(|s| up(c, &case.a[s][..rank * k]))
+        .collect();
+    let th: Vec<Handle> = (0..adapters)
+        .map(|_| up(c, &vec![f32::NAN; m * rank + LD_GUARD]))
+        .collect();
+    let (ar, tr): (Vec<&Handle>, Vec<&Handle>) = (ah.iter().collect(), th.iter().collect());
+    assert!(
+        lora_down::<R, F>(c, &xh, m, &ar, rank, k, &tr),
+        "{what}: lora_down did not run (no plane operations on this device?)"
+    );
+    th.iter()
+        .map(|h| {
+            let mut v = f32::from_bytes(&c.read_one(h.clone()).unwrap()).to_vec();
+            let guard = v.split_off(m * rank);
+            assert!(guard.iter().all(|g| g.is_nan()), "{what}: wrote past m·r");
+            v
+        })
+        .collect()
+}
+
+/// Every (m, K, adapters, rank) of the sweep against the reference, in F.
+fn ld_check<F: Float + CubeElement>() {
+    let c = client();
+    let (mut g, seed) = rng();
+    let name = std::any::type_name::<F>();
+    for k in LD_KS {
+        let case = ld_case::<F>(&mut g, k);
+        for m in LD_MS {
+            for adapters in 1..=3 {
+                for rank in [16, 8] {
+                    let tl = tile::<R, F>(&c, m, adapters, rank, k);
+                    let what =
+                        format!("{name} m {m} K {k} adapters {adapters} rank {rank} tile {tl:?}");
+                    let got = ld_run(&c, &case, m, adapters, rank, &what);
+                    for (s, out) in got.iter().enumerate() {
+                        for row in 0..m {
+                            for j in 0..rank {
+                                let (v, at) = (out[row * rank + j] as f64, row * 16 + j);
+                                let (want, mag) = (case.t[s][at], case.mag[s][at]);
+                                assert!(
+                                    (v - want).abs() <= 1e-4 * mag + 1e-30,
+                                    "{what}: T_{s}[{row}][{j}] = {v}, want {want} (Σ|x·a| {mag}), seed {seed}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_lora_down_bf16() {
+    ld_check::<half::bf16>();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_lora_down_f32() {
+    ld_check::<f32>();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_lora_down_f16() {
+    ld_check::<half::f16>();
+}
+
+/// Batch invariance in bf16: each of the first 64 rows computed alone, and the first 3 and 8
+/// rows as batches, equal those rows of the 64- and 200-row batches bit for bit (the tiles
+/// differ between these sizes).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_lora_down_batch_invariant() {
+    type F = half::bf16;
+    let c = client();
+    let (mut g, seed) = rng();
+    for k in LD_KS {
+        let case = ld_case::<F>(&mut g, k);
+        for (adapters, rank) in [(3, 16), (1, 16), (2, 8)] {
+            let what = |m: usize| format!("K {k} adapters {adapters} rank {rank} m {m}");
+            if std::env::var("QERL_LORA_DOWN_TILE").is_err() {
+                assert_ne!(
+                    tile::<R, F>(&c, 1, adapters, rank, k),
+                    tile::<R, F>(&c, 64, adapters, rank, k),
+                    "{}: one tile for 1 and 64 rows: nothing to compare",
+                    what(64)
+                );
+            }
+            let full = ld_run(&c, &case, 200, adapters, rank, &what(200));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            let mut parts = vec![(0, ld_run(&c, &case, 64, adapters, rank, &what(64)))];
+            for m in [3, 8] {
+                parts.push((0, ld_run(&c, &case, m, adapters, rank, &what(m))));
+            }
+            for row in 0..64 {
+                let one = LdCase {
+                    k,
+                    x: case.x[row * k..][..k].to_vec(),
+                    a: case.a.clone(),
+                    t: Default::default(),
+                    mag: Default::default(),
+                };
+                parts.push((row, ld_run(&c, &one, 1, adapters, rank, &what(1))));
+            }
+            for (first, part) in &parts {
+                for (s, out) in part.iter().enumerate() {
+                    let rows = out.len() / rank;
+                    let want = &full[s][first * rank..(first + rows) * rank];
+                    assert_eq!(
+                        bits(out),
+                        bits(want),
+                        "rows {first}..{}: {} differs from 200 rows in adapter {s}, seed {seed}",
+                        first + rows,
+                        what(rows)
+                    );
+                }
+            }
+        }
     }
 }

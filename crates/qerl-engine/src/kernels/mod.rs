@@ -9,6 +9,7 @@ pub mod attention;
 pub mod attention_tc;
 pub mod dense;
 pub mod fill;
+pub mod lora_down;
 pub mod norm;
 pub mod rope;
 pub mod sample;
