@@ -39,7 +39,7 @@ fi
 } > "$OUT/log.txt" 2>&1
 echo "== summary (full log: log.txt)"
 grep -E "^== kernel tests|^== engine|test result|panicked|FAILED|failed|^tests |^engine tests" "$OUT/log.txt" | head -40
-grep -E "^rollout .*: [0-9]+ s|error|Error" "$OUT/log.txt" | head -20
+grep -E "^rollout .*: [0-9]+ s|^check|error|Error" "$OUT/log.txt" | head -24
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "rollout-*.jsonl")), key=os.path.getmtime):

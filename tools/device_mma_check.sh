@@ -10,7 +10,7 @@
 # names another tarball of the binary)
 # Env: TESTS (1: run the kernel tests), TEST_FILTERS, ENGINE_TESTS (1: the engine's CUDA tests), STRESS (1: .device/strategy_stress too), VARIANTS ("name:ENV=v,ENV=v ..."; "off"
 # is QERL_MMA=off; CHECK=1 among a variant's settings keeps the check, PREC=a+b its precisions, B=a+b its batches,
-# S=SHAPE its model shape, default SHAPE or qwen2.5-7b; T=TARBALL another build of qerl for this variant), BATCHES (16,64), NEW_TOKENS (128), PRECISIONS (nvfp4), ROLLOUT_T (150).
+# S=SHAPE its model shape, default SHAPE or qwen2.5-7b; T=TARBALL another build of qerl for this variant; N=TOKENS its new tokens), BATCHES (16,64), NEW_TOKENS (128), PRECISIONS (nvfp4), ROLLOUT_T (150).
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -70,6 +70,7 @@ for v in ${VARIANTS:-off on bits:QERL_MMA_DECODE=bits}; do
   # PREC=nvfp4+bf16 among them sets this variant's precisions, B=128+256 its batches
   check=--no-check
   shape=${SHAPE:-qwen2.5-7b}
+  new=${NEW_TOKENS:-128}
   bin=/tmp/qm/qerl
   prec=${PRECISIONS:-nvfp4}
   batches=${BATCHES:-16,64}
@@ -79,6 +80,7 @@ for v in ${VARIANTS:-off on bits:QERL_MMA_DECODE=bits}; do
       PREC=*) prec=${e#PREC=}; prec=${prec//+/,} ;;
       B=*) batches=${e#B=}; batches=${batches//+/,} ;;
       S=*) shape=${e#S=} ;;
+      N=*) new=${e#N=} ;;
       T=*) mkdir -p /tmp/qm-alt && tar -xzf "${e#T=}" -C /tmp/qm-alt && bin=/tmp/qm-alt/qerl ;;
     esac
   done
@@ -86,7 +88,7 @@ for v in ${VARIANTS:-off on bits:QERL_MMA_DECODE=bits}; do
   echo "== rollout $name (${envs[*]:-defaults})"
   env "${envs[@]}" timeout -k 10 ${ROLLOUT_T:-150} $bin bench rollout --shape $shape \
     --precision $prec --batch $batches --prompt 256 \
-    --new-tokens ${NEW_TOKENS:-128} $check --json "$OUT/rollout-$name.jsonl" 2>&1 |
+    --new-tokens $new $check --json "$OUT/rollout-$name.jsonl" 2>&1 |
     grep -vE "^qwen" | tail -${TAIL:-5}
   echo "rollout $name: $((SECONDS - start)) s"
 done

@@ -104,8 +104,34 @@ fn k_planes(planes: usize, target: usize) -> usize {
 const WORDS: usize = 4;
 /// Fewest chunks per K-slice (two per unit).
 const MIN_SPLIT_CHUNKS: usize = 64;
+
+/// [`MIN_SPLIT_CHUNKS`], or `QERL_GEMV_MIN_SPLIT_CHUNKS` (read once) for experiments: a large
+/// value keeps every product unsplit.
+fn min_split_chunks() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("QERL_GEMV_MIN_SPLIT_CHUNKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v: &usize| v > 0)
+            .unwrap_or(MIN_SPLIT_CHUNKS)
+    })
+}
 /// Planes per multiprocessor the split aims for (about 4 KiB of loads in flight each).
 const PLANES_PER_SM: usize = 32;
+
+/// Planes per multiprocessor the launches aim for: [`PLANES_PER_SM`], or
+/// `QERL_GEMV_PLANES_PER_SM` (read once) for experiments.
+fn planes_per_sm() -> usize {
+    static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PER_SM.get_or_init(|| {
+        std::env::var("QERL_GEMV_PLANES_PER_SM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v: &usize| v > 0)
+            .unwrap_or(PLANES_PER_SM)
+    })
+}
 
 /// Largest M the decode kernel takes.
 pub(crate) const MAX_M: usize = 16;
@@ -743,10 +769,15 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     // 32 wherever `applies` holds; tests may run other widths.
     let plane = client.properties().hardware.plane_size_max as usize;
     let planes = n.div_ceil(ROWS);
-    let target = PLANES_PER_SM * splitk::multiprocessors(client);
+    let target = planes_per_sm() * splitk::multiprocessors(client);
     let kp = k_planes(planes, target);
     let cubes = n.div_ceil(ROWS * PLANES as usize / kp);
-    let (splits, per) = splitk::plan(planes * kp, k / (8 * WORDS), target, MIN_SPLIT_CHUNKS * kp);
+    let (splits, per) = splitk::plan(
+        planes * kp,
+        k / (8 * WORDS),
+        target,
+        min_split_chunks() * kp,
+    );
     let split = splits > 1;
     let unused = weight.code_table.clone();
     // Unsplit, `part` is never written: bound to the code table.
@@ -830,7 +861,7 @@ pub(crate) fn segments_apply<R: Runtime>(
     };
     let (k, format) = (first.weight.k, first.weight.format);
     let rank = first.lora.map(|l| l.2);
-    let target = PLANES_PER_SM * splitk::multiprocessors(client);
+    let target = planes_per_sm() * splitk::multiprocessors(client);
     let kp = segments_k_planes(segs, target);
     (2..=3).contains(&segs.len())
         && applies(client, m, k, tensor_cores)
@@ -843,7 +874,7 @@ pub(crate) fn segments_apply<R: Runtime>(
                     s.weight.n.div_ceil(ROWS) * kp,
                     k / (8 * WORDS),
                     target,
-                    MIN_SPLIT_CHUNKS * kp,
+                    min_split_chunks() * kp,
                 )
                 .0 == 1
         })
@@ -865,7 +896,7 @@ pub(crate) fn launch_segments<R: Runtime, F: Float>(
     let plane = client.properties().hardware.plane_size_max as usize;
     let k = segs[0].weight.k;
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
-    let target = PLANES_PER_SM * splitk::multiprocessors(client);
+    let target = planes_per_sm() * splitk::multiprocessors(client);
     let kp = segments_k_planes(segs, target);
     let cubes = |i: usize| seg(i).weight.n.div_ceil(ROWS * PLANES as usize / kp);
     let total: usize = (0..segs.len()).map(cubes).sum();
