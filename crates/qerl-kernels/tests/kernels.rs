@@ -811,6 +811,74 @@ fn seg_products<'a>(
         .collect()
 }
 
+/// One segment of a segmented-product test: a random `n x k` weight of `format`, a bias, and a
+/// LoRA adapter of rank `r` whose `T` is computed from `xh [m, k]` on the device.
+#[allow(clippy::too_many_arguments)]
+fn seg_case<R: Runtime, F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    rng: &mut StdRng,
+    format: QuantFormat,
+    m: usize,
+    n: usize,
+    k: usize,
+    xh: &Handle,
+    r: usize,
+) -> SegCase {
+    let w = random_weight(rng, format, n, k);
+    let bias = normal(rng, n, 0.5);
+    let a = normal(rng, r * k, 0.1);
+    let b = normal(rng, n * r, 0.1);
+    let ah = upload::<R, F>(c, &a);
+    let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * r]));
+    gemm::lora_down::<R, F>(c, xh, &ah, &t, m, k, r).unwrap();
+    SegCase {
+        n,
+        dw: DeviceWeight::upload(c, &w).unwrap(),
+        deq: w.dequantize(),
+        bias: upload::<R, F>(c, &bias),
+        rbias: rounded::<F>(&bias),
+        ra: rounded::<F>(&a),
+        rb: rounded::<F>(&b),
+        t,
+        b: upload::<R, F>(c, &b),
+        scale: 0.5 + n as f32 / 1024.0,
+    }
+}
+
+/// Each segment's output `ys[i]` against the f64 reference of its product of `rx [m, k]`.
+#[allow(clippy::too_many_arguments)]
+fn check_segment_outputs<R: Runtime, F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    what: &str,
+    segs: &[SegCase],
+    ys: &[Handle],
+    rx: &[f64],
+    (m, k, rank): (usize, usize, usize),
+    (bias, lora): (bool, bool),
+    tol: f64,
+    seed: u64,
+) {
+    for (i, (s, y)) in segs.iter().zip(ys).enumerate() {
+        let lref = LoraRef {
+            a: &s.ra,
+            b: &s.rb,
+            rank,
+            scale: s.scale as f64,
+        };
+        let want = matmul_ref(
+            rx,
+            &s.deq,
+            m,
+            s.n,
+            k,
+            bias.then_some(&s.rbias[..]),
+            lora.then_some(&lref),
+        );
+        let what = format!("{what}: segment {i}");
+        assert_close(&what, &read::<R, F>(c, y), &want, tol, seed);
+    }
+}
+
 /// Products sharing an input as one launch of the staged mma kernel (CUDA bf16): q/k/v-like
 /// (3 segments) and gate/up-like (2) at 9 to 256 rows, with and without bias, with LoRA of
 /// rank 16 on each and none, split-K forced to 3 and 1 slices and chosen; every segment's
@@ -842,25 +910,7 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
     let _on = Restore::set(true, gemm::mma_segments(), gemm::set_mma_segments);
     let rank = 16;
     let make = |rng: &mut StdRng, format, m: usize, n: usize, k: usize, xh: &Handle, r: usize| {
-        let w = random_weight(rng, format, n, k);
-        let bias = normal(rng, n, 0.5);
-        let a = normal(rng, r * k, 0.1);
-        let b = normal(rng, n * r, 0.1);
-        let ah = upload::<R, F>(&c, &a);
-        let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * r]));
-        gemm::lora_down::<R, F>(&c, xh, &ah, &t, m, k, r).unwrap();
-        SegCase {
-            n,
-            dw: DeviceWeight::upload(&c, &w).unwrap(),
-            deq: w.dequantize(),
-            bias: upload::<R, F>(&c, &bias),
-            rbias: rounded::<F>(&bias),
-            ra: rounded::<F>(&a),
-            rb: rounded::<F>(&b),
-            t,
-            b: upload::<R, F>(&c, &b),
-            scale: 0.5 + n as f32 / 1024.0,
-        }
+        seg_case::<R, F>(&c, rng, format, m, n, k, xh, r)
     };
     // (format, M, segment widths, K): q/k/v and gate/up shapes; 9 rows take 2x2 tiles (a
     // 256-wide cube), 64 and more 1x8 (128-wide).
@@ -896,25 +946,17 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
                 let took = gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap();
                 assert!(took, "{what}: not taken, seed {seed}");
                 ran += 1;
-                for (i, (s, y)) in segs.iter().zip(&ys).enumerate() {
-                    let lref = LoraRef {
-                        a: &s.ra,
-                        b: &s.rb,
-                        rank,
-                        scale: s.scale as f64,
-                    };
-                    let want = matmul_ref(
-                        &rx,
-                        &s.deq,
-                        m,
-                        s.n,
-                        k,
-                        bias.then_some(&s.rbias[..]),
-                        lora.then_some(&lref),
-                    );
-                    let what = format!("{what}: segment {i}");
-                    assert_close(&what, &read::<R, F>(&c, y), &want, tol, seed);
-                }
+                check_segment_outputs::<R, F>(
+                    &c,
+                    &what,
+                    &segs,
+                    &ys,
+                    &rx,
+                    (m, k, rank),
+                    (bias, lora),
+                    tol,
+                    seed,
+                );
             }
         }
     }
@@ -1053,27 +1095,7 @@ pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::De
         let rx = rounded::<F>(&x);
         let segs: Vec<SegCase> = widths
             .iter()
-            .map(|&n| {
-                let w = random_weight(&mut rng, format, n, k);
-                let bias = normal(&mut rng, n, 0.5);
-                let a = normal(&mut rng, rank * k, 0.1);
-                let b = normal(&mut rng, n * rank, 0.1);
-                let ah = upload::<R, F>(&c, &a);
-                let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
-                gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
-                SegCase {
-                    n,
-                    dw: DeviceWeight::upload(&c, &w).unwrap(),
-                    deq: w.dequantize(),
-                    bias: upload::<R, F>(&c, &bias),
-                    rbias: rounded::<F>(&bias),
-                    ra: rounded::<F>(&a),
-                    rb: rounded::<F>(&b),
-                    t,
-                    b: upload::<R, F>(&c, &b),
-                    scale: 0.5 + n as f32 / 1024.0,
-                }
-            })
+            .map(|&n| seg_case::<R, F>(&c, &mut rng, format, m, n, k, &xh, rank))
             .collect();
         for (kp, pipe) in [(0, false), (1, true), (2, false), (4, true)] {
             let _kp = KPlanesGuard::set(kp, pipe);
@@ -1088,25 +1110,17 @@ pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::De
                     eprintln!("{what}: not taken here (no decode kernel on this runtime)");
                     return;
                 }
-                for (i, (s, y)) in segs.iter().zip(&ys).enumerate() {
-                    let lref = LoraRef {
-                        a: &s.ra,
-                        b: &s.rb,
-                        rank,
-                        scale: s.scale as f64,
-                    };
-                    let want = matmul_ref(
-                        &rx,
-                        &s.deq,
-                        m,
-                        s.n,
-                        k,
-                        bias.then_some(&s.rbias[..]),
-                        lora.then_some(&lref),
-                    );
-                    let what = format!("{what}: segment {i}");
-                    assert_close(&what, &read::<R, F>(&c, y), &want, tol, seed);
-                }
+                check_segment_outputs::<R, F>(
+                    &c,
+                    &what,
+                    &segs,
+                    &ys,
+                    &rx,
+                    (m, k, rank),
+                    (bias, lora),
+                    tol,
+                    seed,
+                );
             }
         }
     }
