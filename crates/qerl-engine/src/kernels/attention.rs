@@ -438,6 +438,19 @@ fn cubes_per_sm_env() -> Option<usize> {
         .filter(|c| (1..=32).contains(c))
 }
 
+/// Fewest context positions a split takes: [`TILE`], or `QERL_ATTN_SPLIT_POSITIONS` (read
+/// once, a multiple of the tile) for experiments.
+fn split_positions() -> usize {
+    static POSITIONS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *POSITIONS.get_or_init(|| {
+        std::env::var("QERL_ATTN_SPLIT_POSITIONS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map(|v| v.div_ceil(TILE as usize).max(1) * TILE as usize)
+            .unwrap_or(TILE as usize)
+    })
+}
+
 /// Most spans one (row, key-value head) is cut into.
 pub const MAX_SPLITS: usize = UNITS as usize;
 
@@ -502,7 +515,7 @@ impl AttentionScratch {
 
     fn splits_to(&self, s: &AttentionShape, target: usize) -> usize {
         let base = (s.rows * s.kv_heads).max(1);
-        let by_context = s.covered().div_ceil(TILE as usize).max(1);
+        let by_context = s.covered().div_ceil(split_positions()).max(1);
         let want = target.div_ceil(base).min(by_context);
         want.min(self.cubes / base).clamp(1, MAX_SPLITS)
     }
