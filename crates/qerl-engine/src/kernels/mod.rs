@@ -2,7 +2,10 @@
 //!
 //! Every kernel takes `Array` arguments and scalars only (no per-launch metadata upload on
 //! CUDA), launches a static grid, and reduces in shared memory, so the same code runs on CUDA
-//! and on wgpu (lavapipe, which has no plane operations) for the tests.
+//! and on wgpu (lavapipe, which has no plane operations) for the tests. The exceptions run
+//! only where their runtime has what they need, with a portable kernel beside them:
+//! [`attention_tc`] (tensor cores; else [`attention`]'s SIMT kernel) and [`lora_down`] (plane
+//! operations; else [`dense`]).
 
 pub mod act;
 pub mod attention;
@@ -25,9 +28,14 @@ const MAX_GRID_DIM: u32 = 65_535;
 /// A grid of `cubes` cubes over x and y (no dimension above 65535); kernels recover the
 /// linear index with [`row_of_cube`].
 pub(crate) fn grid_rows(cubes: usize) -> CubeCount {
+    grid_rows_by(cubes, 1)
+}
+
+/// [`grid_rows`] with `z` cubes along z for each of them (a row's work spread over z).
+pub(crate) fn grid_rows_by(cubes: usize, z: usize) -> CubeCount {
     let cubes = cubes.max(1) as u32;
     let x = cubes.min(MAX_GRID_DIM);
-    CubeCount::Static(x, cubes.div_ceil(x), 1)
+    CubeCount::Static(x, cubes.div_ceil(x), z.max(1) as u32)
 }
 
 /// Linear index of this cube in a [`grid_rows`] grid (may exceed the requested count on the

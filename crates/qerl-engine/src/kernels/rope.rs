@@ -9,7 +9,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::{grid_rows, row_of_cube, ROW_CUBE};
+use super::{grid_rows, grid_rows_by, row_of_cube, ROW_CUBE};
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -104,10 +104,7 @@ pub fn rope_kv<R: Runtime, F: Float>(
     let d = s.head_dim;
     let cache = s.slots * s.kv_heads * s.capacity * d;
     let pairs = (s.q_heads + s.kv_heads) * d / 2;
-    let CubeCount::Static(x, y, _) = grid_rows(s.rows) else {
-        unreachable!("grid_rows is static")
-    };
-    let grid = CubeCount::Static(x, y, pairs.div_ceil(ROW_CUBE as usize) as u32);
+    let grid = grid_rows_by(s.rows, pairs.div_ceil(ROW_CUBE as usize));
     // SAFETY: buffers sized by the engine from these shapes; the engine keeps every position
     // below both `capacity` and `max_positions`, and every slot below `slots`.
     // Units past a row's pairs do nothing.
