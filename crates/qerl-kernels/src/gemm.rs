@@ -31,8 +31,7 @@ pub use crate::gemm_mma::{
     MAX_M_LIMIT as MMA_MAX_M_LIMIT,
 };
 pub use crate::gemv::{
-    set_decode_max_m, set_k_planes as set_decode_k_planes, set_pipeline as set_decode_pipeline,
-    DEFAULT_DECODE_MAX_M,
+    set_decode_max_m, set_k_planes as set_decode_k_planes, DEFAULT_DECODE_MAX_M,
 };
 pub use crate::splitk::force_splits;
 pub use crate::tune::{

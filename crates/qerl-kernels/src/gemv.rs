@@ -38,24 +38,6 @@ fn unroll() -> usize {
             .unwrap_or(UNROLL)
     })
 }
-/// Whether the decode kernel issues a step's loads before the previous step's arithmetic:
-/// unread (`usize::MAX`), 0 or 1.
-static PIPELINE: AtomicUsize = AtomicUsize::new(usize::MAX);
-
-/// Turns the decode kernel's pipelined loads on or off (tests, benchmarks); else
-/// `QERL_GEMV_PIPELINE=1` turns them on for a process (off by default until measured).
-pub fn set_pipeline(on: bool) {
-    PIPELINE.store(on as usize, Ordering::Relaxed);
-}
-
-fn pipeline() -> bool {
-    if PIPELINE.load(Ordering::Relaxed) == usize::MAX {
-        let on = std::env::var("QERL_GEMV_PIPELINE").is_ok_and(|v| v == "1");
-        PIPELINE.store(on as usize, Ordering::Relaxed);
-    }
-    PIPELINE.load(Ordering::Relaxed) == 1
-}
-
 /// Planes per cube.
 const PLANES: u32 = 4;
 /// Most planes of a cube that share one group of `ROWS` rows, each taking a part of the
@@ -201,7 +183,6 @@ fn gemv_body<F: Float, V: Size, W: Size>(
     #[comptime] plane: usize,
     #[comptime] unroll: usize,
     #[comptime] kp: usize,
-    #[comptime] pipeline: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let tid = UNIT_POS_Y as usize * plane + lane;
@@ -231,10 +212,6 @@ fn gemv_body<F: Float, V: Size, W: Size>(
     let mut s_reg = Array::<u32>::new(comptime!(ROWS * unroll));
     let mut s_val = Array::<f32>::new(comptime!(ROWS * unroll));
 
-    // Pipelined, the next step's loads are in flight during this step's arithmetic.
-    let mut w_next = Array::<Vector<u32, W>>::new(comptime!(ROWS * unroll));
-    let mut s_next = Array::<u32>::new(comptime!(ROWS * unroll));
-    let mut sv_next = Array::<f32>::new(comptime!(ROWS * unroll));
     let step = comptime!(plane * kp * unroll);
     let mut c = c_begin + part * plane + lane;
     // The first step's loads go out before the block-scale table is filled and synchronised,
@@ -269,27 +246,6 @@ fn gemv_body<F: Float, V: Size, W: Size>(
     }
     sync_cube();
     while c < c_end {
-        if pipeline && c + step < c_end {
-            load_step::<W>(
-                codes,
-                scale_bytes,
-                scale_table,
-                &mut w_next,
-                &mut s_next,
-                &mut sv_next,
-                c + step,
-                c_end,
-                n0,
-                n_cols,
-                chunks,
-                row_elems,
-                block,
-                byte_scales,
-                plane,
-                unroll,
-                kp,
-            );
-        }
         #[unroll]
         for u in 0..unroll {
             let cu = c + u * comptime!(plane * kp);
@@ -335,14 +291,7 @@ fn gemv_body<F: Float, V: Size, W: Size>(
                 }
             }
         }
-        if pipeline {
-            #[unroll]
-            for i in 0..ROWS * unroll {
-                w_reg[i] = w_next[i];
-                s_reg[i] = s_next[i];
-                s_val[i] = sv_next[i];
-            }
-        } else if c + step < c_end {
+        if c + step < c_end {
             load_step::<W>(
                 codes,
                 scale_bytes,
@@ -537,7 +486,6 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
     #[comptime] plane: usize,
     #[comptime] unroll: usize,
     #[comptime] kp: usize,
-    #[comptime] pipeline: bool,
 ) {
     let mut lut = SharedMemory::<f32>::new(16usize);
     let mut stab = SharedMemory::<f32>::new(256usize);
@@ -574,7 +522,6 @@ fn gemv_kernel<F: Float, V: Size, W: Size>(
         plane,
         unroll,
         kp,
-        pipeline,
     );
 }
 
@@ -627,7 +574,6 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
     #[comptime] plane: usize,
     #[comptime] unroll: usize,
     #[comptime] kp: usize,
-    #[comptime] pipeline: bool,
 ) {
     let mut lut = SharedMemory::<f32>::new(16usize);
     let mut stab = SharedMemory::<f32>::new(256usize);
@@ -668,7 +614,6 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
             plane,
             unroll,
             kp,
-            pipeline,
         );
     } else if segments > 1 && cx < c1 {
         gemv_body::<F, V, W>(
@@ -699,7 +644,6 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
             plane,
             unroll,
             kp,
-            pipeline,
         );
     } else if segments > 2 {
         gemv_body::<F, V, W>(
@@ -730,7 +674,6 @@ fn gemv_segments_kernel<F: Float, V: Size, W: Size>(
             plane,
             unroll,
             kp,
-            pipeline,
         );
     }
 }
@@ -830,7 +773,6 @@ pub(crate) fn launch<R: Runtime, F: Float>(
             plane,
             unroll(),
             kp,
-            pipeline(),
         );
     }
     if split {
@@ -977,7 +919,6 @@ pub(crate) fn launch_segments<R: Runtime, F: Float>(
             plane,
             unroll(),
             kp,
-            pipeline(),
         );
     }
 }

@@ -1055,14 +1055,12 @@ impl Drop for DecodeGuard {
     }
 }
 
-/// Fixes the decode kernel's planes per row group (0: its own choice) and its pipelined loads
-/// while alive.
+/// Fixes the decode kernel's planes per row group (0: its own choice) while alive.
 struct KPlanesGuard;
 
 impl KPlanesGuard {
-    fn set(k_planes: usize, pipelined: bool) -> KPlanesGuard {
+    fn set(k_planes: usize) -> KPlanesGuard {
         gemm::set_decode_k_planes(k_planes);
-        gemm::set_decode_pipeline(pipelined);
         KPlanesGuard
     }
 }
@@ -1070,7 +1068,6 @@ impl KPlanesGuard {
 impl Drop for KPlanesGuard {
     fn drop(&mut self) {
         gemm::set_decode_k_planes(0);
-        gemm::set_decode_pipeline(false);
     }
 }
 
@@ -1097,11 +1094,11 @@ pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::De
             .iter()
             .map(|&n| seg_case::<R, F>(&c, &mut rng, format, m, n, k, &xh, rank))
             .collect();
-        for (kp, pipe) in [(0, false), (1, true), (2, false), (4, true)] {
-            let _kp = KPlanesGuard::set(kp, pipe);
+        for kp in [0, 1, 2, 4] {
+            let _kp = KPlanesGuard::set(kp);
             for (bias, lora) in [(true, true), (false, false)] {
                 let what = format!(
-                    "decode segments {format} N={widths:?} K={k} k_planes={kp} pipelined={pipe} \
+                    "decode segments {format} N={widths:?} K={k} k_planes={kp} \
                      bias={bias} lora={lora}"
                 );
                 let ys: Vec<Handle> = segs.iter().map(|s| poisoned::<R, F>(&c, m * s.n)).collect();
@@ -1155,22 +1152,21 @@ pub fn matmul_decode<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
                 started.elapsed()
             );
             // Forced K-slices, then (few rows only) forced planes per row group.
-            // (K-slices, planes per row group, pipelined loads)
-            let planes: &[(Option<usize>, usize, bool)] = if m <= 5 {
+            let planes: &[(Option<usize>, usize)] = if m <= 5 {
                 &[
-                    (None, 0, false),
-                    (Some(3), 0, false),
-                    (Some(7), 0, true),
-                    (None, 1, true),
-                    (None, 2, false),
-                    (Some(3), 4, true),
+                    (None, 0),
+                    (Some(3), 0),
+                    (Some(7), 0),
+                    (None, 1),
+                    (None, 2),
+                    (Some(3), 4),
                 ]
             } else {
-                &[(None, 0, false), (Some(3), 0, true), (Some(7), 0, false)]
+                &[(None, 0), (Some(3), 0), (Some(7), 0)]
             };
-            for &(forced, kp, pipe) in planes {
+            for &(forced, kp) in planes {
                 let _guard = SplitGuard::force(forced);
-                let _kp = KPlanesGuard::set(kp, pipe);
+                let _kp = KPlanesGuard::set(kp);
                 let rank = 8;
                 let x = normal(&mut rng, m * k, 1.0);
                 let bias = normal(&mut rng, n, 0.5);
@@ -1209,7 +1205,7 @@ pub fn matmul_decode<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
                     Some(&lref),
                 );
                 let what =
-                    format!("decode {format} M={m} N={n} K={k} splits={forced:?} k_planes={kp} pipelined={pipe}");
+                    format!("decode {format} M={m} N={n} K={k} splits={forced:?} k_planes={kp}");
                 assert_close(&what, &read::<R, F>(&c, &y), &want, tol, seed);
 
                 // And without the epilogue, the plain product.
