@@ -1,8 +1,8 @@
 //! Dense products for few rows: `Y[M, N] = X[M, K] · Wᵀ`, `W [N, K]` row-major in `F`.
 //!
-//! Serves the lm_head (f32 logits), the LoRA down-projections (f32 `T = X·Aᵀ`, up to three
-//! adapters that share an input in one launch: q/k/v, gate/up) and the frozen weights of a BF16
-//! model when few rows are decoded. Memory-bound: a group of units per output column (32, or a
+//! Serves the lm_head (f32 logits), the LoRA down-projections where [`super::lora_down`] does
+//! not run (no plane operations: f32 `T = X·Aᵀ`, up to three adapters that share an input in
+//! one launch: q/k/v, gate/up) and the frozen weights of a BF16 model when few rows are decoded. Memory-bound: a group of units per output column (32, or a
 //! whole cube of 256 when there are few columns, as in a LoRA down-projection) reads the weight
 //! row once in 16-byte vectors, four loads in flight per unit, and applies it to `MR` rows of
 //! `X`; partial sums meet in shared memory (no plane operations, so it runs on lavapipe too).
