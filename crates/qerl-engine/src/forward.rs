@@ -6,7 +6,9 @@
 //! Per layer: add + RMSNorm, the q/k/v LoRA down-projections in one launch, the three products
 //! with bias and LoRA in their epilogues, RoPE + KV write, attention, the o product, add +
 //! RMSNorm, gate/up LoRA downs in one launch, the two products, SiLU·mul, the down product
-//! (its residual add is fused into the next norm).
+//! (its residual add is fused into the next norm). At decode batches the LoRA
+//! down-projections of q/k/v, gate/up and down run inside the norm and SiLU·mul launches
+//! ([`crate::kernels::fused_lora`]).
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -15,6 +17,7 @@ use qerl_kernels::gemm::{self, LoraEpilogue};
 use crate::kernels::act::silu_mul;
 use crate::kernels::attention::{attention, AttentionScratch, AttentionShape};
 use crate::kernels::dense::{self, dense, DenseEpilogue};
+use crate::kernels::fused_lora::{norm_lora, silu_lora};
 use crate::kernels::norm::{add_rms_norm, embed};
 use crate::kernels::rope::{rope_kv, RopeShape};
 use crate::kernels::sample::SampleScratch;
@@ -25,7 +28,10 @@ use crate::EngineError;
 #[derive(Debug)]
 pub(crate) struct Workspace {
     pub rows: usize,
+    /// The residual stream; the fused norm + LoRA kernel writes the sum into the other of
+    /// `h` and `h2` (its cubes all read the old one), so the two take turns.
     pub h: Handle,
+    pub h2: Handle,
     pub d: Handle,
     pub xn: Handle,
     pub q: Handle,
@@ -62,6 +68,7 @@ impl Workspace {
         Workspace {
             rows,
             h: buf(rows * s.hidden),
+            h2: buf(rows * s.hidden),
             d: buf(rows * s.hidden),
             xn: buf(rows * s.hidden.max(s.q_dim()).max(s.intermediate)),
             q: buf(rows * s.q_dim()),
@@ -140,19 +147,19 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         slots: kv.slots,
         context: p.context.min(kv.capacity),
     };
+    // Which of `h`, `h2` holds the residual stream.
+    let (mut res, mut spare) = (&ws.h, &ws.h2);
     for (l, layer) in w.layers.iter().enumerate() {
         let residual = (l > 0).then_some(&ws.d);
-        add_rms_norm::<R, F>(
+        let t_ready = norm::<R, F>(
             client,
-            &ws.h,
+            s,
             m,
+            (&mut res, &mut spare),
             residual,
             &layer.attn_norm,
-            None,
-            m,
-            s.hidden,
-            s.rms_eps,
-            &ws.xn,
+            &[&layer.q, &layer.k, &layer.v],
+            ws,
         );
         linears::<R, F>(
             client,
@@ -161,6 +168,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             &[&layer.q, &layer.k, &layer.v],
             &[&ws.q, &ws.k, &ws.v],
             &ws.t,
+            t_ready,
         )?;
         let (k_cache, v_cache) = &kv.layers[l];
         rope_kv::<R, F>(
@@ -179,18 +187,16 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             &ws.attn_scratch,
             None,
         );
-        linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.t)?;
-        add_rms_norm::<R, F>(
+        linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.t, false)?;
+        let t_ready = norm::<R, F>(
             client,
-            &ws.h,
+            s,
             m,
+            (&mut res, &mut spare),
             Some(&ws.d),
             &layer.mlp_norm,
-            None,
-            m,
-            s.hidden,
-            s.rms_eps,
-            &ws.xn,
+            &[&layer.gate, &layer.up],
+            ws,
         );
         linears::<R, F>(
             client,
@@ -199,9 +205,26 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             &[&layer.gate, &layer.up],
             &[&ws.gate, &ws.up],
             &ws.t,
+            t_ready,
         )?;
-        silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
-        linears::<R, F>(client, &ws.act, m, &[&layer.down], &[&ws.d], &ws.t)?;
+        let down = &layer.down;
+        let t_ready = down.lora.as_ref().is_some_and(|a| {
+            silu_lora::<R, F>(
+                client,
+                &ws.gate,
+                &ws.up,
+                &ws.act,
+                m,
+                s.intermediate,
+                &a.a,
+                a.rank,
+                &ws.t[0],
+            )
+        });
+        if !t_ready {
+            silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
+        }
+        linears::<R, F>(client, &ws.act, m, &[down], &[&ws.d], &ws.t, t_ready)?;
     }
     let n = p.logit_count;
     if n == 0 {
@@ -210,7 +233,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     }
     add_rms_norm::<R, F>(
         client,
-        &ws.h,
+        res,
         m,
         (!w.layers.is_empty()).then_some(&ws.d),
         &w.final_norm,
@@ -239,9 +262,54 @@ pub(crate) fn forward<R: Runtime, F: Float>(
 /// (ncu, 2026-11-24): 3.5 ms of a 25 ms step.
 const LORA_DENSE_MAX_ROWS: usize = 256;
 
+/// The add + RMSNorm before `layers` (which read its output `ws.xn`), with their LoRA
+/// down-projections into `ws.t` in the same launch where [`norm_lora`] takes them (decode
+/// batches; every layer with an adapter of one rank): then the sum goes to the spare residual
+/// buffer and the two swap. Returns whether `ws.t` is filled.
+#[allow(clippy::too_many_arguments)]
+fn norm<'a, R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    s: &crate::ModelShape,
+    m: usize,
+    (res, spare): (&mut &'a Handle, &mut &'a Handle),
+    d: Option<&Handle>,
+    gain: &Handle,
+    layers: &[&Linear],
+    ws: &Workspace,
+) -> bool {
+    let adapters: Vec<_> = layers.iter().filter_map(|l| l.lora.as_ref()).collect();
+    let rank = adapters.first().map_or(0, |a| a.rank);
+    let fused = adapters.len() == layers.len()
+        && adapters.iter().all(|a| a.rank == rank)
+        && norm_lora::<R, F>(
+            client,
+            res,
+            d,
+            spare,
+            gain,
+            m,
+            s.hidden,
+            s.rms_eps,
+            &ws.xn,
+            &adapters.iter().map(|a| &a.a).collect::<Vec<_>>(),
+            rank,
+            &ws.t.iter().take(adapters.len()).collect::<Vec<_>>(),
+        );
+    if fused {
+        if d.is_some() {
+            std::mem::swap(res, spare);
+        }
+    } else {
+        add_rms_norm::<R, F>(
+            client, res, m, d, gain, None, m, s.hidden, s.rms_eps, &ws.xn,
+        );
+    }
+    fused
+}
+
 /// Linears that share the input `x [m, k]`: their LoRA down-projections (one launch for up to
-/// three adapters of equal rank when few rows), then each product with bias and LoRA in its
-/// epilogue.
+/// three adapters of equal rank when few rows; none when `t_ready`, the kernel before having
+/// filled `t`), then each product with bias and LoRA in its epilogue.
 fn linears<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -249,11 +317,14 @@ fn linears<R: Runtime, F: Float>(
     layers: &[&Linear],
     outputs: &[&Handle],
     t: &[Handle; 3],
+    t_ready: bool,
 ) -> Result<(), EngineError> {
     let k = layers[0].k;
     let adapters: Vec<_> = layers.iter().filter_map(|l| l.lora.as_ref()).collect();
     let same_rank = adapters.windows(2).all(|p| p[0].rank == p[1].rank);
-    if adapters.len() == layers.len() && same_rank && m <= LORA_DENSE_MAX_ROWS {
+    if t_ready {
+        // Filled by the fused norm or SiLU·mul kernel.
+    } else if adapters.len() == layers.len() && same_rank && m <= LORA_DENSE_MAX_ROWS {
         let a: Vec<&Handle> = adapters.iter().map(|a| &a.a).collect();
         let out: Vec<&Handle> = t.iter().take(a.len()).collect();
         let rank = adapters[0].rank;

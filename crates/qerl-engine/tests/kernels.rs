@@ -7,6 +7,7 @@ use cubecl::server::Handle;
 use qerl_engine::kernels::act::silu_mul;
 use qerl_engine::kernels::attention::{attention, AttentionScratch, AttentionShape};
 use qerl_engine::kernels::dense::{dense, DenseEpilogue};
+use qerl_engine::kernels::fused_lora::{norm_lora, silu_lora};
 use qerl_engine::kernels::norm::add_rms_norm;
 use qerl_engine::kernels::rope::{rope_kv, rope_tables, RopeShape};
 use qerl_engine::kernels::sample::{sample, SampleScratch, SlotState, Truncation};
@@ -177,6 +178,111 @@ fn add_rms_norm_case(dim: usize) {
     add_rms_norm::<R, f32>(&c, &hh, rows, Some(&dh), &gh, None, rows, dim, 1e-6, &y);
     let sum: Vec<f32> = h.iter().zip(&d).map(|(a, b)| a + b).collect();
     assert_eq!(read(&c, &hh), sum);
+}
+
+/// `T [rows, rank] = x · aᵀ` on the host in f64.
+fn lora_t(x: &[f32], a: &[f32], rows: usize, rank: usize, k: usize) -> Vec<f64> {
+    (0..rows * rank)
+        .map(|i| {
+            let (r, j) = (i / rank, i % rank);
+            (0..k)
+                .map(|c| x[r * k + c] as f64 * a[j * k + c] as f64)
+                .sum()
+        })
+        .collect()
+}
+
+#[test]
+fn norm_with_fused_lora_equals_the_norm_then_the_down_projections() {
+    let c = client();
+    let (mut g, seed) = rng();
+    // Rows 1, 5 and 13 take the 1x1, 2x2 and 4x4 tiles (rows past the last tile unused);
+    // widths of one vector a unit or less, two-element vectors, several vectors a unit.
+    for (rows, dim, adapters, rank, add) in [
+        (1, 96, 3, 4, true),
+        (5, 90, 2, 4, true),
+        (13, 1000, 1, 6, false),
+        (2, 3584, 3, 16, true),
+        (13, 3584, 2, 16, true),
+    ] {
+        let h = uniform(&mut g, rows * dim);
+        let d = uniform(&mut g, rows * dim);
+        let gain = uniform(&mut g, dim);
+        let a: Vec<Vec<f32>> = (0..adapters).map(|_| uniform(&mut g, rank * dim)).collect();
+        let (hh, dh, gh) = (up(&c, &h), up(&c, &d), up(&c, &gain));
+        let ah: Vec<Handle> = a.iter().map(|v| up(&c, v)).collect();
+        let th: Vec<Handle> = (0..adapters).map(|_| nan(&c, rows * rank)).collect();
+        let (h_out, y) = (nan(&c, rows * dim), nan(&c, rows * dim));
+        let ran = norm_lora::<R, f32>(
+            &c,
+            &hh,
+            add.then_some(&dh),
+            &h_out,
+            &gh,
+            rows,
+            dim,
+            1e-6,
+            &y,
+            &ah.iter().collect::<Vec<_>>(),
+            rank,
+            &th.iter().collect::<Vec<_>>(),
+        );
+        assert!(ran, "norm_lora applies to {rows} rows");
+        // The norm is the unfused kernel's, bit for bit; `h` is left as it was.
+        let want_y = nan(&c, rows * dim);
+        let h_copy = up(&c, &h);
+        add_rms_norm::<R, f32>(
+            &c,
+            &h_copy,
+            rows,
+            add.then_some(&dh),
+            &gh,
+            None,
+            rows,
+            dim,
+            1e-6,
+            &want_y,
+        );
+        let what = format!("norm_lora rows {rows} dim {dim} adapters {adapters} rank {rank}");
+        let yv = read(&c, &y);
+        assert_eq!(yv, read(&c, &want_y), "{what}: norm output, seed {seed}");
+        assert_eq!(read(&c, &hh), h, "{what}: h untouched, seed {seed}");
+        if add {
+            assert_eq!(
+                read(&c, &h_out),
+                read(&c, &h_copy),
+                "{what}: residual, seed {seed}"
+            );
+        }
+        for (s, (av, t)) in a.iter().zip(&th).enumerate() {
+            let want = lora_t(&yv, av, rows, rank, dim);
+            assert_close(&format!("{what}: T_{s}"), &read(&c, t), &want, seed);
+        }
+    }
+}
+
+#[test]
+fn silu_mul_with_fused_lora_equals_silu_mul_then_the_down_projection() {
+    let c = client();
+    let (mut g, seed) = rng();
+    // Vectors of 4, 4 with a partial last round, and 1 f32.
+    for (rows, width, rank) in [(1, 384, 4), (3, 4000, 16), (2, 7, 3)] {
+        let gate = uniform(&mut g, rows * width);
+        let upv = uniform(&mut g, rows * width);
+        let a = uniform(&mut g, rank * width);
+        let (gh, uh, ah) = (up(&c, &gate), up(&c, &upv), up(&c, &a));
+        let (out, t) = (nan(&c, rows * width), nan(&c, rows * rank));
+        assert!(silu_lora::<R, f32>(
+            &c, &gh, &uh, &out, rows, width, &ah, rank, &t
+        ));
+        let want_out = nan(&c, rows * width);
+        silu_mul::<R, f32>(&c, &gh, &uh, &want_out, rows * width);
+        let what = format!("silu_lora rows {rows} width {width} rank {rank}");
+        let ov = read(&c, &out);
+        assert_eq!(ov, read(&c, &want_out), "{what}: activation, seed {seed}");
+        let want = lora_t(&ov, &a, rows, rank, width);
+        assert_close(&format!("{what}: T"), &read(&c, &t), &want, seed);
+    }
 }
 
 #[test]

@@ -120,7 +120,7 @@ fn choose_tile(
 
 /// One vector of adapter `s` (uniform over the cube).
 #[cube]
-fn load_a<F: Float, V: Size>(
+pub(super) fn load_a<F: Float, V: Size>(
     a0: &Array<Vector<F, V>>,
     a1: &Array<Vector<F, V>>,
     a2: &Array<Vector<F, V>>,

@@ -12,6 +12,7 @@ pub mod attention;
 pub mod attention_tc;
 pub mod dense;
 pub mod fill;
+pub mod fused_lora;
 pub mod lora_down;
 pub mod norm;
 pub mod rope;
