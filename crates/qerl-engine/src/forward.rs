@@ -17,8 +17,8 @@ use qerl_kernels::gemm::{self, LoraEpilogue};
 use crate::kernels::act::silu_mul;
 use crate::kernels::attention::{attention, AttentionScratch, AttentionShape};
 use crate::kernels::dense::{self, dense, DenseEpilogue};
-use crate::kernels::fused_lora::{norm_lora, silu_lora};
-use crate::kernels::norm::{add_rms_norm, embed};
+use crate::kernels::fused_lora::norm_lora;
+use crate::kernels::norm::{add_rms_norm, embed, Residual};
 use crate::kernels::rope::{rope_kv, RopeShape};
 use crate::kernels::sample::SampleScratch;
 use crate::weights::{EngineWeights, Frozen, Linear};
@@ -149,8 +149,14 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     };
     // Which of `h`, `h2` holds the residual stream.
     let (mut res, mut spare) = (&ws.h, &ws.h2);
+    // The down product's unreduced K-slices, where it left them for the next norm.
+    let mut down_parts: Option<gemm::SplitParts> = None;
     for (l, layer) in w.layers.iter().enumerate() {
-        let residual = (l > 0).then_some(&ws.d);
+        let residual = match (&down_parts, l) {
+            (_, 0) => Residual::None,
+            (Some(p), _) => Residual::Parts(&p.parts, p.splits),
+            (None, _) => Residual::Dense(&ws.d),
+        };
         let t_ready = norm::<R, F>(
             client,
             s,
@@ -193,7 +199,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             s,
             m,
             (&mut res, &mut spare),
-            Some(&ws.d),
+            Residual::Dense(&ws.d),
             &layer.mlp_norm,
             &[&layer.gate, &layer.up],
             ws,
@@ -207,35 +213,24 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             &ws.t,
             t_ready,
         )?;
-        let down = &layer.down;
-        let t_ready = down.lora.as_ref().is_some_and(|a| {
-            silu_lora::<R, F>(
-                client,
-                &ws.gate,
-                &ws.up,
-                &ws.act,
-                m,
-                s.intermediate,
-                &a.a,
-                a.rank,
-                &ws.t[0],
-            )
-        });
-        if !t_ready {
-            silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
-        }
-        linears::<R, F>(client, &ws.act, m, &[down], &[&ws.d], &ws.t, t_ready)?;
+        silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
+        down_parts = down_product::<R, F>(client, &ws.act, m, &layer.down, &ws.d, &ws.t)?;
     }
     let n = p.logit_count;
     if n == 0 {
         // A prefill pass that ends no prompt: its rows only fill the cache.
         return Ok(());
     }
+    let residual = match (&down_parts, w.layers.is_empty()) {
+        (_, true) => Residual::None,
+        (Some(p), _) => Residual::Parts(&p.parts, p.splits),
+        (None, _) => Residual::Dense(&ws.d),
+    };
     add_rms_norm::<R, F>(
         client,
         res,
         m,
-        (!w.layers.is_empty()).then_some(&ws.d),
+        residual,
         &w.final_norm,
         Some(p.logit_index),
         n,
@@ -272,7 +267,7 @@ fn norm<'a, R: Runtime, F: Float>(
     s: &crate::ModelShape,
     m: usize,
     (res, spare): (&mut &'a Handle, &mut &'a Handle),
-    d: Option<&Handle>,
+    d: Residual<'_>,
     gain: &Handle,
     layers: &[&Linear],
     ws: &Workspace,
@@ -296,7 +291,7 @@ fn norm<'a, R: Runtime, F: Float>(
             &ws.t.iter().take(adapters.len()).collect::<Vec<_>>(),
         );
     if fused {
-        if d.is_some() {
+        if !matches!(d, Residual::None) {
             std::mem::swap(res, spare);
         }
     } else {
@@ -307,24 +302,52 @@ fn norm<'a, R: Runtime, F: Float>(
     fused
 }
 
-/// Linears that share the input `x [m, k]`: their LoRA down-projections (one launch for up to
-/// three adapters of equal rank when few rows; none when `t_ready`, the kernel before having
-/// filled `t`), then each product with bias and LoRA in its epilogue.
-fn linears<R: Runtime, F: Float>(
+/// The down product into `d`, or, where it would end in a split-K reduction of its own (the
+/// decode kernel at a few rows), its unreduced K-slices for the next norm to add
+/// ([`Residual::Parts`]): one launch fewer a layer.
+fn down_product<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    down: &Linear,
+    d: &Handle,
+    t: &[Handle; 3],
+) -> Result<Option<gemm::SplitParts>, EngineError> {
+    let Frozen::Quant(wq) = &down.weight else {
+        linears::<R, F>(client, x, m, &[down], &[d], t, false)?;
+        return Ok(None);
+    };
+    lora_downs::<R, F>(client, x, m, &[down], t)?;
+    let lora = down.lora.as_ref().map(|a| LoraEpilogue {
+        t: &t[0],
+        b: &a.b,
+        rank: a.rank,
+        scale: a.scale,
+    });
+    Ok(gemm::matmul_or_parts::<R, F>(
+        client,
+        x,
+        m,
+        wq,
+        down.bias.as_ref(),
+        lora,
+        d,
+    )?)
+}
+
+/// The LoRA down-projections `t[i] = x · A_iᵀ` of `layers` (those with an adapter): one launch
+/// for up to three adapters of equal rank when few rows, else one each.
+fn lora_downs<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
     m: usize,
     layers: &[&Linear],
-    outputs: &[&Handle],
     t: &[Handle; 3],
-    t_ready: bool,
 ) -> Result<(), EngineError> {
     let k = layers[0].k;
     let adapters: Vec<_> = layers.iter().filter_map(|l| l.lora.as_ref()).collect();
     let same_rank = adapters.windows(2).all(|p| p[0].rank == p[1].rank);
-    if t_ready {
-        // Filled by the fused norm or SiLU·mul kernel.
-    } else if adapters.len() == layers.len() && same_rank && m <= LORA_DENSE_MAX_ROWS {
+    if adapters.len() == layers.len() && same_rank && m <= LORA_DENSE_MAX_ROWS {
         let a: Vec<&Handle> = adapters.iter().map(|a| &a.a).collect();
         let out: Vec<&Handle> = t.iter().take(a.len()).collect();
         let rank = adapters[0].rank;
@@ -344,6 +367,24 @@ fn linears<R: Runtime, F: Float>(
                 gemm::lora_down::<R, F>(client, x, &a.a, &t[i], m, k, a.rank)?;
             }
         }
+    }
+    Ok(())
+}
+
+/// Linears that share the input `x [m, k]`: their LoRA down-projections ([`lora_downs`]; none
+/// when `t_ready`, the norm before having filled `t`), then each product with bias and LoRA in
+/// its epilogue.
+fn linears<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    layers: &[&Linear],
+    outputs: &[&Handle],
+    t: &[Handle; 3],
+    t_ready: bool,
+) -> Result<(), EngineError> {
+    if !t_ready {
+        lora_downs::<R, F>(client, x, m, layers, t)?;
     }
     // 4-bit weights sharing the input: one decode launch for all where the kernel takes them.
     let quant: Vec<gemm::SegmentProduct<'_>> = layers

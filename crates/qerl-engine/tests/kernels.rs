@@ -7,8 +7,8 @@ use cubecl::server::Handle;
 use qerl_engine::kernels::act::silu_mul;
 use qerl_engine::kernels::attention::{attention, AttentionScratch, AttentionShape};
 use qerl_engine::kernels::dense::{dense, DenseEpilogue};
-use qerl_engine::kernels::fused_lora::{norm_lora, silu_lora};
-use qerl_engine::kernels::norm::add_rms_norm;
+use qerl_engine::kernels::fused_lora::norm_lora;
+use qerl_engine::kernels::norm::{add_rms_norm, Residual};
 use qerl_engine::kernels::rope::{rope_kv, rope_tables, RopeShape};
 use qerl_engine::kernels::sample::{sample, SampleScratch, SlotState, Truncation};
 use rand::rngs::StdRng;
@@ -161,7 +161,18 @@ fn add_rms_norm_case(dim: usize) {
     let index = [4u32, 1];
     let ih = up_u32(&c, &index);
     let y = nan(&c, 2 * dim);
-    add_rms_norm::<R, f32>(&c, &hh, rows, Some(&dh), &gh, Some(&ih), 2, dim, 1e-6, &y);
+    add_rms_norm::<R, f32>(
+        &c,
+        &hh,
+        rows,
+        Residual::Dense(&dh),
+        &gh,
+        Some(&ih),
+        2,
+        dim,
+        1e-6,
+        &y,
+    );
     let mut want = Vec::new();
     for &s in &index {
         let x: Vec<f64> = (0..dim)
@@ -175,7 +186,18 @@ fn add_rms_norm_case(dim: usize) {
     // every row's residual is updated in place.
     assert_eq!(read(&c, &hh), h);
     let y = nan(&c, rows * dim);
-    add_rms_norm::<R, f32>(&c, &hh, rows, Some(&dh), &gh, None, rows, dim, 1e-6, &y);
+    add_rms_norm::<R, f32>(
+        &c,
+        &hh,
+        rows,
+        Residual::Dense(&dh),
+        &gh,
+        None,
+        rows,
+        dim,
+        1e-6,
+        &y,
+    );
     let sum: Vec<f32> = h.iter().zip(&d).map(|(a, b)| a + b).collect();
     assert_eq!(read(&c, &hh), sum);
 }
@@ -196,27 +218,38 @@ fn lora_t(x: &[f32], a: &[f32], rows: usize, rank: usize, k: usize) -> Vec<f64> 
 fn norm_with_fused_lora_equals_the_norm_then_the_down_projections() {
     let c = client();
     let (mut g, seed) = rng();
-    // Rows 1, 5 and 13 take the 1x1, 2x2 and 4x4 tiles (rows past the last tile unused);
-    // widths of one vector a unit or less, two-element vectors, several vectors a unit.
-    for (rows, dim, adapters, rank, add) in [
-        (1, 96, 3, 4, true),
-        (5, 90, 2, 4, true),
-        (13, 1000, 1, 6, false),
-        (2, 3584, 3, 16, true),
-        (13, 3584, 2, 16, true),
+    // Widths of one vector a unit or less, two-element vectors, several vectors a unit; the
+    // residual: none, a product's output, or its unreduced K-slices (2 and 3).
+    for (rows, dim, adapters, rank, slices) in [
+        (1, 96, 3, 4, None),
+        (5, 90, 2, 4, Some(0)),
+        (8, 1000, 1, 6, Some(2)),
+        (2, 3584, 3, 16, Some(3)),
     ] {
         let h = uniform(&mut g, rows * dim);
-        let d = uniform(&mut g, rows * dim);
         let gain = uniform(&mut g, dim);
         let a: Vec<Vec<f32>> = (0..adapters).map(|_| uniform(&mut g, rank * dim)).collect();
-        let (hh, dh, gh) = (up(&c, &h), up(&c, &d), up(&c, &gain));
+        // d: the dense output, or the slices and what their reduction would store.
+        let parts = uniform(&mut g, slices.unwrap_or(0).max(1) * rows * dim);
+        let d: Vec<f32> = match slices {
+            Some(n) if n > 0 => (0..rows * dim)
+                .map(|i| (0..n).fold(0.0f32, |acc, s| acc + parts[s * rows * dim + i]))
+                .collect(),
+            _ => parts[..rows * dim].to_vec(),
+        };
+        let (hh, dh, ph, gh) = (up(&c, &h), up(&c, &d), up(&c, &parts), up(&c, &gain));
+        let residual = match slices {
+            None => Residual::None,
+            Some(0) => Residual::Dense(&dh),
+            Some(n) => Residual::Parts(&ph, n),
+        };
         let ah: Vec<Handle> = a.iter().map(|v| up(&c, v)).collect();
         let th: Vec<Handle> = (0..adapters).map(|_| nan(&c, rows * rank)).collect();
         let (h_out, y) = (nan(&c, rows * dim), nan(&c, rows * dim));
         let ran = norm_lora::<R, f32>(
             &c,
             &hh,
-            add.then_some(&dh),
+            residual,
             &h_out,
             &gh,
             rows,
@@ -228,60 +261,45 @@ fn norm_with_fused_lora_equals_the_norm_then_the_down_projections() {
             &th.iter().collect::<Vec<_>>(),
         );
         assert!(ran, "norm_lora applies to {rows} rows");
-        // The norm is the unfused kernel's, bit for bit; `h` is left as it was.
+        // The norm is the unfused kernel's with the dense residual, bit for bit (the slices
+        // added in the reduction's order); `h` is left as it was.
         let want_y = nan(&c, rows * dim);
         let h_copy = up(&c, &h);
+        let dense = if slices.is_some() {
+            Residual::Dense(&dh)
+        } else {
+            Residual::None
+        };
         add_rms_norm::<R, f32>(
-            &c,
-            &h_copy,
-            rows,
-            add.then_some(&dh),
-            &gh,
-            None,
-            rows,
-            dim,
-            1e-6,
-            &want_y,
+            &c, &h_copy, rows, dense, &gh, None, rows, dim, 1e-6, &want_y,
         );
-        let what = format!("norm_lora rows {rows} dim {dim} adapters {adapters} rank {rank}");
+        let what = format!("norm_lora rows {rows} dim {dim} adapters {adapters} slices {slices:?}");
         let yv = read(&c, &y);
         assert_eq!(yv, read(&c, &want_y), "{what}: norm output, seed {seed}");
         assert_eq!(read(&c, &hh), h, "{what}: h untouched, seed {seed}");
-        if add {
+        if slices.is_some() {
             assert_eq!(
                 read(&c, &h_out),
                 read(&c, &h_copy),
                 "{what}: residual, seed {seed}"
             );
+            // The unfused norm reads the slices the same way.
+            if let Some(n @ 1..) = slices {
+                let (h_parts, y_parts) = (up(&c, &h), nan(&c, rows * dim));
+                let r = Residual::Parts(&ph, n);
+                add_rms_norm::<R, f32>(&c, &h_parts, rows, r, &gh, None, rows, dim, 1e-6, &y_parts);
+                assert_eq!(
+                    read(&c, &y_parts),
+                    yv,
+                    "{what}: unfused, slices, seed {seed}"
+                );
+                assert_eq!(read(&c, &h_parts), read(&c, &h_copy), "{what}: seed {seed}");
+            }
         }
         for (s, (av, t)) in a.iter().zip(&th).enumerate() {
             let want = lora_t(&yv, av, rows, rank, dim);
             assert_close(&format!("{what}: T_{s}"), &read(&c, t), &want, seed);
         }
-    }
-}
-
-#[test]
-fn silu_mul_with_fused_lora_equals_silu_mul_then_the_down_projection() {
-    let c = client();
-    let (mut g, seed) = rng();
-    // Vectors of 4, 4 with a partial last round, and 1 f32.
-    for (rows, width, rank) in [(1, 384, 4), (3, 4000, 16), (2, 7, 3)] {
-        let gate = uniform(&mut g, rows * width);
-        let upv = uniform(&mut g, rows * width);
-        let a = uniform(&mut g, rank * width);
-        let (gh, uh, ah) = (up(&c, &gate), up(&c, &upv), up(&c, &a));
-        let (out, t) = (nan(&c, rows * width), nan(&c, rows * rank));
-        assert!(silu_lora::<R, f32>(
-            &c, &gh, &uh, &out, rows, width, &ah, rank, &t
-        ));
-        let want_out = nan(&c, rows * width);
-        silu_mul::<R, f32>(&c, &gh, &uh, &want_out, rows * width);
-        let what = format!("silu_lora rows {rows} width {width} rank {rank}");
-        let ov = read(&c, &out);
-        assert_eq!(ov, read(&c, &want_out), "{what}: activation, seed {seed}");
-        let want = lora_t(&ov, &a, rows, rank, width);
-        assert_close(&format!("{what}: T"), &read(&c, &t), &want, seed);
     }
 }
 

@@ -84,6 +84,35 @@ fn dot_tile(
     acc
 }
 
+/// `acc` plus the bias and LoRA terms of output `(m, n)` (each where present), in f32.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn with_epilogue<F: Float>(
+    acc: f32,
+    m: usize,
+    n: usize,
+    bias: &Array<F>,
+    lora_t: &Array<f32>,
+    lora_b: &Array<F>,
+    rank: usize,
+    lora_scale: f32,
+    #[comptime] has_bias: bool,
+    #[comptime] has_lora: bool,
+) -> f32 {
+    let mut v = acc;
+    if has_bias {
+        v += f32::cast_from(bias[n]);
+    }
+    if has_lora {
+        let mut l = 0.0f32;
+        for j in 0..rank {
+            l += lora_t[m * rank + j] * f32::cast_from(lora_b[n * rank + j]);
+        }
+        v += lora_scale * l;
+    }
+    v
+}
+
 /// Bias and LoRA epilogue for one output element, then the store.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -103,17 +132,9 @@ pub(crate) fn store_output<F: Float>(
     #[comptime] has_lora: bool,
 ) {
     if m < m_rows && n < n_cols {
-        let mut v = acc;
-        if has_bias {
-            v += f32::cast_from(bias[n]);
-        }
-        if has_lora {
-            let mut l = 0.0f32;
-            for j in 0..rank {
-                l += lora_t[m * rank + j] * f32::cast_from(lora_b[n * rank + j]);
-            }
-            v += lora_scale * l;
-        }
+        let v = with_epilogue::<F>(
+            acc, m, n, bias, lora_t, lora_b, rank, lora_scale, has_bias, has_lora,
+        );
         y[m * n_cols + n] = F::cast_from(v);
     }
 }
@@ -431,6 +452,49 @@ fn mma_applies<R: Runtime, F: Float>(
         && crate::gemm_mma::applies::<R, F>(client, m, weight, lora_rank)
 }
 
+/// A split-K product's f32 partial sums `[splits, M, N]`, not yet added: slice 0 holds the
+/// bias and LoRA terms, so `Y = F(Σ_s parts[s])` summed in slice order (from 0.0), which is
+/// what the product's own reduction would have stored.
+#[derive(Debug)]
+pub struct SplitParts {
+    pub parts: Handle,
+    pub splits: usize,
+}
+
+/// [`matmul`], except where it would end in a split-K reduction launch of its own (the decode
+/// kernel at a few rows, whose K-slices fill the device): then the partial sums come back
+/// unreduced, for a consumer that reads them anyway to add them itself (the engine's norm after
+/// the down product), and `y` is not written. `Ok(None)`: `y` holds the product.
+pub fn matmul_or_parts<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    weight: &DeviceWeight,
+    bias: Option<&Handle>,
+    lora: Option<LoraEpilogue<'_>>,
+    y: &Handle,
+) -> Result<Option<SplitParts>, KernelError> {
+    let k = weight.k;
+    let lora_rank = lora.as_ref().map(|l| l.rank);
+    let mma = m > 0 && mma_applies::<R, F>(client, m, weight, lora_rank);
+    let decode = m > 0 && crate::gemv::applies(client, m, k, tensor_cores::<R, F>(client, m, k));
+    if !decode || (mma && m >= crate::gemm_mma::options().min_m) {
+        return matmul::<R, F>(client, x, m, weight, bias, lora, y).map(|()| None);
+    }
+    check_buffer("matmul", "x", x, bytes_of::<F>(m * k))?;
+    check_buffer("matmul", "y", y, bytes_of::<F>(m * weight.n))?;
+    if let Some(b) = bias {
+        check_buffer("matmul", "bias", b, bytes_of::<F>(weight.n))?;
+    }
+    if let Some(l) = &lora {
+        check_buffer("matmul", "LoRA T", l.t, bytes_of::<f32>(m * l.rank))?;
+        check_buffer("matmul", "LoRA B", l.b, bytes_of::<F>(weight.n * l.rank))?;
+    }
+    let l = lora.map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale));
+    let parts = crate::gemv::launch::<R, F>(client, x, m, weight, bias.cloned(), l, y, true);
+    Ok(parts.map(|(parts, splits)| SplitParts { parts, splits }))
+}
+
 /// `Y[M, N] = X[M, K] · deq(W)ᵀ (+ bias) (+ LoRA)`. `x` holds `M*K` elements of `F`, `y` `M*N`.
 pub fn matmul<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -469,7 +533,7 @@ pub fn matmul<R: Runtime, F: Float>(
         let l = lora
             .as_ref()
             .map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale));
-        crate::gemv::launch::<R, F>(client, x, m, weight, bias.cloned(), l, y);
+        crate::gemv::launch::<R, F>(client, x, m, weight, bias.cloned(), l, y, false);
         return Ok(());
     }
     if mma {

@@ -14,7 +14,7 @@
 //! operations, 32-wide planes and `K % 32 == 0`; [`crate::gemm::matmul`] falls back otherwise.
 
 use crate::device::DeviceWeight;
-use crate::gemm::store_output;
+use crate::gemm::{store_output, with_epilogue};
 use crate::splitk::{self, ReduceEpilogue};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -425,8 +425,8 @@ fn load_step<W: Size>(
     }
 }
 
-/// Stores one output of [`gemv_body`]: its f32 partial sum when split, else the output with its
-/// epilogue. Rows past `n_cols` are not stored.
+/// Stores one output of [`gemv_body`]: its f32 partial sum when split (slice 0's with the
+/// epilogue terms), else the output with its epilogue. Rows past `n_cols` are not stored.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn gemv_store<F: Float>(
@@ -449,7 +449,14 @@ fn gemv_store<F: Float>(
 ) {
     if split {
         if n < n_cols {
-            part_out[out0 + m * n_cols + n] = total;
+            // Slice 0 carries the epilogue, so the slices' sum is the output.
+            let mut v = total;
+            if CUBE_POS_Y == 0 {
+                v = with_epilogue::<F>(
+                    total, m, n, bias, lora_t, lora_b, rank, lora_scale, has_bias, has_lora,
+                );
+            }
+            part_out[out0 + m * n_cols + n] = v;
         }
     } else {
         store_output::<F>(
@@ -697,7 +704,9 @@ pub(crate) fn applies<R: Runtime>(
         && client.properties().hardware.plane_size_max == 32
 }
 
-/// Launches the decode product; the caller has checked buffers and [`applies`].
+/// Launches the decode product; the caller has checked buffers and [`applies`]. Split along
+/// K, it ends in [`splitk::reduce`], unless `keep_parts`: then it returns the partial sums and
+/// their slice count, `y` unwritten (see [`crate::gemm::matmul_or_parts`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -707,7 +716,8 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     bias: Option<Handle>,
     lora: Option<(Handle, Handle, usize, f32)>,
     y: &Handle,
-) {
+    keep_parts: bool,
+) -> Option<(Handle, usize)> {
     let (n, k) = (weight.n, weight.k);
     // 32 wherever `applies` holds; tests may run other widths.
     let plane = client.properties().hardware.plane_size_max as usize;
@@ -729,16 +739,11 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     } else {
         unused.clone()
     };
-    // Split: the epilogue runs in the reduction.
-    let (kb, kl) = if split {
-        (None, None)
-    } else {
-        (bias.clone(), lora.clone())
-    };
-    let has_bias = kb.is_some();
-    let has_lora = kl.is_some();
-    let bias_h = kb.unwrap_or_else(|| unused.clone());
-    let (t, b, rank, scale) = kl.unwrap_or_else(|| (unused.clone(), unused.clone(), 0, 0.0));
+    // Split, slice 0 adds the epilogue terms to its partial sums.
+    let has_bias = bias.is_some();
+    let has_lora = lora.is_some();
+    let bias_h = bias.unwrap_or_else(|| unused.clone());
+    let (t, b, rank, scale) = lora.unwrap_or_else(|| (unused.clone(), unused.clone(), 0, 0.0));
     // SAFETY: buffer sizes were checked by the caller and the workspace holds splits*m*n f32;
     // the kernel clamps weight rows to n and chunks to the reduction, bounds stores by n and the
     // comptime m, and K is a multiple of 32 (checked by `applies`).
@@ -775,10 +780,18 @@ pub(crate) fn launch<R: Runtime, F: Float>(
             kp,
         );
     }
-    if split {
-        let epilogue = ReduceEpilogue { bias, lora };
-        splitk::reduce::<R, F, F>(client, part, splits, m, n, epilogue, y);
+    if !split {
+        return None;
     }
+    if keep_parts {
+        return Some((part, splits));
+    }
+    let epilogue = ReduceEpilogue {
+        bias: None,
+        lora: None,
+    };
+    splitk::reduce::<R, F, F>(client, part, splits, m, n, epilogue, y);
+    None
 }
 
 /// One product of [`launch_segments`]: a weight, its optional bias and LoRA epilogue

@@ -1208,6 +1208,38 @@ pub fn matmul_decode<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
                     format!("decode {format} M={m} N={n} K={k} splits={forced:?} k_planes={kp}");
                 assert_close(&what, &read::<R, F>(&c, &y), &want, tol, seed);
 
+                // The K-slices left unreduced (where the product splits) add up, in slice
+                // order from 0.0 and rounded once, to the reduced output bit for bit.
+                let reduced = read::<R, F>(&c, &y);
+                let y2 = poisoned::<R, F>(&c, m * n);
+                let lora = gemm::LoraEpilogue {
+                    t: &t,
+                    b: &lbh,
+                    rank,
+                    scale: 1.5,
+                };
+                let parts =
+                    gemm::matmul_or_parts::<R, F>(&c, &xh, m, &dw, Some(&bh), Some(lora), &y2)
+                        .unwrap();
+                let summed: Vec<f64> = match &parts {
+                    Some(p) => {
+                        let v = f32::from_bytes(&c.read_one(p.parts.clone()).unwrap()).to_vec();
+                        (0..m * n)
+                            .map(|i| {
+                                let sum = (0..p.splits).fold(0.0f32, |a, s| a + v[s * m * n + i]);
+                                F::from(sum).unwrap().to_f64().unwrap()
+                            })
+                            .collect()
+                    }
+                    None => read::<R, F>(&c, &y2),
+                };
+                let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&summed),
+                    bits(&reduced),
+                    "{what}: unreduced slices ({:?}) against the reduction, seed {seed}",
+                    parts.as_ref().map(|p| p.splits)
+                );
                 // And without the epilogue, the plain product.
                 let y = poisoned::<R, F>(&c, m * n);
                 gemm::matmul::<R, F>(&c, &xh, m, &dw, None, None, &y).unwrap();

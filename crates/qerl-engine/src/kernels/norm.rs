@@ -45,10 +45,91 @@ fn embed_kernel<F: Float>(
     }
 }
 
+/// What a norm adds to the residual stream before normalising it.
+#[derive(Clone, Copy, Debug)]
+pub enum Residual<'a> {
+    /// Nothing (the first layer's norm).
+    None,
+    /// The product's output `d [rows, dim]` in `F`.
+    Dense(&'a Handle),
+    /// A split-K product's f32 partial sums `[slices, rows, dim]` (its epilogue in slice 0),
+    /// not yet added: the norm adds them in slice order and rounds to `F`, as the product's
+    /// reduction would have, which saves that reduction's launch
+    /// ([`qerl_kernels::gemm::matmul_or_parts`]).
+    Parts(&'a Handle, usize),
+}
+
+impl Residual<'_> {
+    /// `(add, slices)`: the kernels' comptime form (`slices` 0 for a dense `d`).
+    pub(crate) fn mode(&self) -> (bool, usize) {
+        match self {
+            Residual::None => (false, 0),
+            Residual::Dense(_) => (true, 0),
+            Residual::Parts(_, slices) => (true, *slices),
+        }
+    }
+
+    /// The `F` buffer the kernels bind as `d` and the f32 one they bind as the partial sums
+    /// (`fallback` where there is none: bound, never read).
+    pub(crate) fn buffers<'b>(&'b self, fallback: &'b Handle) -> (&'b Handle, &'b Handle) {
+        match self {
+            Residual::None => (fallback, fallback),
+            Residual::Dense(d) => (d, fallback),
+            Residual::Parts(p, _) => (fallback, p),
+        }
+    }
+}
+
+/// Vector `v` of row `row` of the residual stream after the add, rounded to `F`: `h` alone
+/// (`!add`), `h + d`, or `h + F(Σ_s parts[s])` (`slices > 0`; slice stride `stride`
+/// elements), each sum in f32 and rounded once, as the product's reduction and the unfused
+/// add would round them.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn residual_sum<F: Float, V: Size>(
+    h: &Array<Vector<F, V>>,
+    d: &Array<Vector<F, V>>,
+    parts: &Array<f32>,
+    row: usize,
+    v: usize,
+    vecs: usize,
+    stride: usize,
+    #[comptime] add: bool,
+    #[comptime] slices: usize,
+) -> Vector<F, V> {
+    let vs = h.vector_size();
+    let x = h[row * vecs + v];
+    let mut sum = Vector::<F, V>::empty();
+    if !add {
+        sum = x;
+    } else {
+        if slices == 0 {
+            let dv = d[row * vecs + v];
+            #[unroll]
+            for k in 0..vs {
+                sum[k] = F::cast_from(f32::cast_from(x[k]) + f32::cast_from(dv[k]));
+            }
+        } else {
+            #[unroll]
+            for k in 0..vs {
+                let at = (row * vecs + v) * vs + k;
+                let mut p = 0.0f32;
+                #[unroll]
+                for s in 0..slices {
+                    p += parts[s * stride + at];
+                }
+                let dk = F::cast_from(p);
+                sum[k] = F::cast_from(f32::cast_from(x[k]) + f32::cast_from(dk));
+            }
+        }
+    }
+    sum
+}
+
 /// For output row `i` and its source row `s = index[i]` (or `i` without `gather`):
-/// `x = h[s] + d[s]` when `add` (rounded to `F`; written back to `h[s]` as the layer's residual,
-/// except when gathering: a source row may be gathered several times, and the final norm's
-/// residual is not needed afterwards), then `y[i] = x / sqrt(mean(x²) + eps) ⊙ gain`.
+/// `x = h[s] + d[s]` when `add` ([`residual_sum`]; written back to `h[s]` as the layer's
+/// residual, except when gathering: a source row may be gathered several times, and the final
+/// norm's residual is not needed afterwards), then `y[i] = x / sqrt(mean(x²) + eps) ⊙ gain`.
 ///
 /// Each unit loads its `per_unit` vectors of the row at once and keeps them in registers for
 /// the second half, so a row costs one round trip to memory before the cube's sum (the
@@ -59,13 +140,16 @@ fn embed_kernel<F: Float>(
 fn add_rms_norm_kernel<F: Float, V: Size>(
     h: &mut Array<Vector<F, V>>,
     d: &Array<Vector<F, V>>,
+    parts: &Array<f32>,
     gain: &Array<f32>,
     index: &Array<u32>,
     y: &mut Array<Vector<F, V>>,
     rows: u32,
+    h_rows: u32,
     dim: u32,
     eps: f32,
     #[comptime] add: bool,
+    #[comptime] slices: usize,
     #[comptime] gather: bool,
     #[comptime] per_unit: usize,
 ) {
@@ -75,6 +159,7 @@ fn add_rms_norm_kernel<F: Float, V: Size>(
     // The whole cube takes the same branch, so the barriers inside are uniform.
     if i < rows as usize {
         let vecs = dim as usize / vs;
+        let stride = h_rows as usize * dim as usize;
         let mut s = i;
         if gather {
             s = index[i] as usize;
@@ -86,18 +171,7 @@ fn add_rms_norm_kernel<F: Float, V: Size>(
         #[unroll]
         for u in 0..per_unit {
             let v = min(t + u * step, vecs - 1);
-            let x = h[s * vecs + v];
-            if add {
-                let dv = d[s * vecs + v];
-                let mut sum = Vector::<F, V>::empty();
-                #[unroll]
-                for k in 0..vs {
-                    sum[k] = F::cast_from(f32::cast_from(x[k]) + f32::cast_from(dv[k]));
-                }
-                e[u] = sum;
-            } else {
-                e[u] = x;
-            }
+            e[u] = residual_sum::<F, V>(h, d, parts, s, v, vecs, stride, add, slices);
         }
         let mut sq = 0.0f32;
         #[unroll]
@@ -160,7 +234,7 @@ pub fn embed<R: Runtime, F: Float>(
     }
 }
 
-/// Residual add (when `d` is given) and RMSNorm of `rows` rows of `h [*, dim]` into
+/// Residual add ([`Residual`]) and RMSNorm of `rows` rows of `h [h_rows, dim]` into
 /// `y [rows, dim]`; with `index`, output row `i` is source row `index[i]` (the last token of each
 /// prefilled prompt, before the lm_head).
 #[allow(clippy::too_many_arguments)]
@@ -168,7 +242,7 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     h: &Handle,
     h_rows: usize,
-    d: Option<&Handle>,
+    d: Residual<'_>,
     gain: &Handle,
     index: Option<&Handle>,
     rows: usize,
@@ -179,9 +253,12 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
     let unused = gain.clone();
     let vs = super::vector_width::<F>(dim);
     let per_unit = (dim / vs).div_ceil(ROW_CUBE as usize);
-    // SAFETY: `h` and `d` hold `h_rows * dim` elements, `y` `rows * dim`, `gain` `dim`, and
-    // `index` `rows` ids below `h_rows` (built by the engine); `vs` divides `dim`, and the
-    // kernel clamps its loads to the row's `dim / vs` vectors and stores only inside it.
+    let (add, slices) = d.mode();
+    let (d_h, parts) = d.buffers(h);
+    // SAFETY: `h` and `d` hold `h_rows * dim` elements, the partial sums `slices` times that
+    // (f32), `y` `rows * dim`, `gain` `dim`, and `index` `rows` ids below `h_rows` (built by
+    // the engine); `vs` divides `dim`, and the kernel clamps its loads to the row's
+    // `dim / vs` vectors and stores only inside it.
     unsafe {
         add_rms_norm_kernel::launch_unchecked::<F, R>(
             client,
@@ -190,14 +267,20 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
             vs,
             ArrayArg::from_raw_parts(h.clone(), h_rows * dim / vs),
             // Without `d` the residual stands in (never read: `add` is false).
-            ArrayArg::from_raw_parts(d.unwrap_or(h).clone(), h_rows * dim / vs),
+            ArrayArg::from_raw_parts(d_h.clone(), h_rows * dim / vs),
+            ArrayArg::from_raw_parts(
+                parts.clone(),
+                if slices > 0 { slices * h_rows * dim } else { 1 },
+            ),
             ArrayArg::from_raw_parts(gain.clone(), dim),
             ArrayArg::from_raw_parts(index.unwrap_or(&unused).clone(), rows.max(1)),
             ArrayArg::from_raw_parts(y.clone(), rows * dim / vs),
             rows as u32,
+            h_rows as u32,
             dim as u32,
             eps,
-            d.is_some(),
+            add,
+            slices,
             index.is_some(),
             per_unit,
         );
