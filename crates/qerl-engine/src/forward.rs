@@ -6,16 +6,19 @@
 //! Per layer: add + RMSNorm, the q/k/v LoRA down-projections in one launch, the three products
 //! with bias and LoRA in their epilogues, RoPE + KV write, attention, the o product, add +
 //! RMSNorm, gate/up LoRA downs in one launch, the two products, SiLU·mul, the down product
-//! (its residual add is fused into the next norm). At decode batches the LoRA
-//! down-projections of q/k/v, gate/up and down run inside the norm and SiLU·mul launches
-//! ([`crate::kernels::fused_lora`]).
+//! (its residual add is fused into the next norm). At a few rows the LoRA down-projections of
+//! q/k/v and gate/up run inside the norm launches ([`crate::kernels::fused_lora`]), o's inside
+//! the attention's merge of its spans (CUDA, [`crate::kernels::attention_combine`]), and the
+//! down product's K-slices are added by the next norm ([`Residual::Parts`]).
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use qerl_kernels::gemm::{self, LoraEpilogue};
 
 use crate::kernels::act::silu_mul;
-use crate::kernels::attention::{attention, AttentionScratch, AttentionShape};
+use crate::kernels::attention::{
+    attention_with, AttentionKernel, AttentionScratch, AttentionShape, OLora,
+};
 use crate::kernels::dense::{self, dense, DenseEpilogue};
 use crate::kernels::fused_lora::norm_lora;
 use crate::kernels::norm::{add_rms_norm, embed, Residual};
@@ -50,6 +53,10 @@ pub(crate) struct Workspace {
     pub logit_rows: usize,
     /// Partial outputs of the attention split along the sequence.
     pub attn_scratch: AttentionScratch,
+    /// The o adapter's per-head sums `[rows, q_heads, rank]` f32 and a zeroed counter a row,
+    /// for the spans' merge that computes its LoRA down-projection (`OLora`).
+    pub o_head_sums: Handle,
+    pub o_counters: Handle,
     /// Per-chunk results of sampling the `logit_rows` rows.
     pub sample_scratch: SampleScratch,
 }
@@ -82,6 +89,8 @@ impl Workspace {
             xf: buf(logit_rows * s.hidden),
             logits: client.empty(logit_rows * s.vocab * 4),
             logit_rows,
+            o_head_sums: client.empty(rows * s.q_heads * rank * 4),
+            o_counters: client.create_from_slice(u32::as_bytes(&vec![0u32; rows.max(1)])),
             attn_scratch: AttentionScratch::new(
                 client,
                 s.q_heads,
@@ -181,19 +190,24 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             client, rope, &ws.q, &ws.k, &ws.v, p.slot, p.pos, &cos_sin.0, &cos_sin.1, k_cache,
             v_cache,
         );
-        attention::<R, F>(
+        let o_lora = layer.o.lora.as_ref().map(|a| OLora {
+            a: &a.a,
+            rank: a.rank,
+            t: &ws.t[0],
+            head_sums: &ws.o_head_sums,
+            counters: &ws.o_counters,
+        });
+        let io = [&ws.q, k_cache, v_cache, p.slot, p.pos, &ws.attn];
+        let t_ready = attention_with::<R, F>(
             client,
             att,
-            &ws.q,
-            k_cache,
-            v_cache,
-            p.slot,
-            p.pos,
-            &ws.attn,
+            io,
             &ws.attn_scratch,
             None,
+            AttentionKernel::Auto,
+            o_lora.as_ref(),
         );
-        linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.t, false)?;
+        linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.t, t_ready)?;
         let t_ready = norm::<R, F>(
             client,
             s,

@@ -28,7 +28,7 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use qerl_engine::kernels::attention::{
-    attention, attention_with, AttentionKernel, AttentionScratch, AttentionShape,
+    attention, attention_with, AttentionKernel, AttentionScratch, AttentionShape, OLora,
 };
 use qerl_engine::kernels::attention_tc::{tc_applies, tc_launches};
 use rand::rngs::StdRng;
@@ -169,6 +169,17 @@ fn check<F: Float + CubeElement>(c: &ComputeClient<R>, q_heads: usize, kv_heads:
         }
     }
 
+    // The o adapter whose LoRA down-projection the spans' merge computes (rank 16).
+    let rank = 16;
+    let q_dim = q_heads * hd;
+    let a_f = to_f::<F>(
+        &(0..rank * q_dim)
+            .map(|_| g.random_range(-1.0f32..1.0))
+            .collect::<Vec<_>>(),
+    );
+    let (ah, a_d) = (up(c, &a_f), f64s(&a_f));
+    let head_sums = c.empty(m * q_heads * rank * 4);
+    let counters = up_u32(c, &vec![0u32; m]);
     let scratch = AttentionScratch::new(c, q_heads, kv_heads, hd, 160);
     let max_ctx = ROWS.iter().map(|r| r.1).max().unwrap();
     for context in [CAPACITY, max_ctx] {
@@ -189,7 +200,7 @@ fn check<F: Float + CubeElement>(c: &ComputeClient<R>, q_heads: usize, kv_heads:
             let run = |kernel: AttentionKernel| -> Vec<f64> {
                 let out = up(c, &vec![F::from(f32::NAN).unwrap(); m * q_heads * hd]);
                 let io = [&qh, &kh, &vh, &slh, &ph, &out];
-                attention_with::<R, F>(c, shape, io, &scratch, splits, kernel);
+                attention_with::<R, F>(c, shape, io, &scratch, splits, kernel, None);
                 read::<F>(c, &out)
             };
             let tc = run(AttentionKernel::TensorCore);
@@ -198,6 +209,55 @@ fn check<F: Float + CubeElement>(c: &ComputeClient<R>, q_heads: usize, kv_heads:
             assert_close(&format!("tensor cores, {case}"), &tc, &want, seed);
             assert_close(&format!("simt, {case}"), &simt, &want, seed);
             assert_close(&format!("tensor cores vs simt, {case}"), &tc, &simt, seed);
+            // With the o adapter: the same output bits, and where the context was split, `T`
+            // from the merge (launched back to back, so a counter left non-zero or a head's
+            // sums read before they land would show).
+            for (kernel, plain) in [
+                (AttentionKernel::TensorCore, &tc),
+                (AttentionKernel::Simt, &simt),
+            ] {
+                for round in 0..8 {
+                    let out = up(c, &vec![F::from(f32::NAN).unwrap(); m * q_dim]);
+                    let t = up(c, &vec![f32::NAN; m * rank]);
+                    let lora = OLora {
+                        a: &ah,
+                        rank,
+                        t: &t,
+                        head_sums: &head_sums,
+                        counters: &counters,
+                    };
+                    let io = [&qh, &kh, &vh, &slh, &ph, &out];
+                    let did =
+                        attention_with::<R, F>(c, shape, io, &scratch, splits, kernel, Some(&lora));
+                    let got = read::<F>(c, &out);
+                    let lcase = format!("{kernel:?} with the o LoRA (round {round}), {case}");
+                    assert_eq!(&got, plain, "{lcase}: output, seed {seed}");
+                    assert!(did || splits != Some(2), "{lcase}: split but no projection");
+                    if did {
+                        let tv = read::<f32>(c, &t);
+                        let want_t: Vec<f64> = (0..m * rank)
+                            .map(|i| {
+                                (0..q_dim)
+                                    .map(|j| {
+                                        got[(i / rank) * q_dim + j] * a_d[(i % rank) * q_dim + j]
+                                    })
+                                    .sum()
+                            })
+                            .collect();
+                        assert!(
+                            tv.iter().all(|v| v.is_finite()),
+                            "{lcase}: unwritten T, seed {seed}"
+                        );
+                        let num: f64 = tv.iter().zip(&want_t).map(|(g, w)| (g - w).powi(2)).sum();
+                        let den: f64 = want_t.iter().map(|w| w * w).sum();
+                        let rel = (num / den).sqrt();
+                        assert!(
+                            rel < 1e-5,
+                            "{lcase}: T relative error {rel:.2e}, seed {seed}"
+                        );
+                    }
+                }
+            }
         }
     }
 }
@@ -288,7 +348,7 @@ fn cuda_attention_auto_dispatch() {
     let before = tc_launches();
     attention::<R, half::bf16>(&c, shape, &qh, &kh, &vh, &slh, &ph, &auto, &scratch, None);
     let io = [&qh, &kh, &vh, &slh, &ph, &simt];
-    attention_with::<R, half::bf16>(&c, shape, io, &scratch, None, AttentionKernel::Simt);
+    attention_with::<R, half::bf16>(&c, shape, io, &scratch, None, AttentionKernel::Simt, None);
     let (got, want) = (read::<half::bf16>(&c, &auto), read::<half::bf16>(&c, &simt));
     assert_close("auto vs simt", &got, &want, seed);
     if std::env::var("QERL_ATTN").as_deref() != Ok("simt") {

@@ -19,12 +19,13 @@
 //! Split (flash-decoding): when rows × key-value heads alone would leave most multiprocessors
 //! idle (decode at small batch, long contexts), the context is cut into `splits` spans of whole
 //! tiles, each cube writes its unnormalised output and its `(max, sum)` per head to a scratch
-//! buffer, and [`combine`](combine_kernel) merges the spans: `o = Σ e^(m_s−M) o_s / Σ e^(m_s−M)
+//! buffer, and [`super::attention_combine`] merges the spans: `o = Σ e^(m_s−M) o_s / Σ e^(m_s−M)
 //! l_s`. A span past a row's context writes `(−1e30, 0)` and weighs nothing.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+pub use super::attention_combine::OLora;
 pub use super::attention_tc::AttentionKernel;
 use super::{grid_rows, row_of_cube, vector_width};
 
@@ -40,7 +41,7 @@ const K_BATCH: usize = 4;
 /// Value vectors (16 bytes each) loaded before they are used.
 const PV_BATCH: usize = 4;
 /// Score of a position outside the span (its exponential is 0).
-const MASKED: f32 = -1.0e30;
+pub(super) const MASKED: f32 = -1.0e30;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -328,77 +329,6 @@ fn attention_kernel<F: Float, V: Size, QV: Size>(
     }
 }
 
-/// Merges the spans: one cube per (row, query head), the span weights `e^(m_s − M)` computed
-/// once in shared memory, then a unit per channel sums the weighted partial outputs.
-#[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
-fn combine_kernel<F: Float>(
-    part_o: &Array<f32>,
-    part_ml: &Array<f32>,
-    out: &mut Array<F>,
-    heads: u32,
-    splits: u32,
-    #[comptime] group: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] max_splits: usize,
-) {
-    let mut w = SharedMemory::<f32>::new(max_splits);
-    let mut lw = SharedMemory::<f32>::new(max_splits);
-    let cube = row_of_cube();
-    // Cube = (row, kv head, h): the partials of (row, kv head) are `splits` cubes apart.
-    if cube < heads as usize {
-        let t = UNIT_POS_X as usize;
-        let splits = splits as usize;
-        let pair = cube / group;
-        let h = cube % group;
-        if t < splits {
-            w[t] = part_ml[((pair * splits + t) * group + h) * 2];
-        }
-        sync_cube();
-        let mut m = f32::new(MASKED);
-        for s in 0..splits {
-            m = max(m, w[s]);
-        }
-        sync_cube();
-        if t < splits {
-            let at = (pair * splits + t) * group + h;
-            let e = f32::exp(part_ml[at * 2] - m);
-            w[t] = e;
-            lw[t] = e * part_ml[at * 2 + 1];
-        }
-        sync_cube();
-        let mut l = 0.0f32;
-        for s in 0..splits {
-            l += lw[s];
-        }
-        let mut d = t;
-        while d < head_dim {
-            let mut o = Array::<f32>::new(8usize);
-            #[unroll]
-            for u in 0..8usize {
-                o[u] = 0.0f32;
-            }
-            let mut s0 = 0usize;
-            while s0 < splits {
-                #[unroll]
-                for u in 0..8usize {
-                    let s = min(s0 + u, splits - 1);
-                    let keep = select(s0 + u < splits, w[s], 0.0f32);
-                    o[u] += keep * part_o[((pair * splits + s) * group + h) * head_dim + d];
-                }
-                s0 += 8;
-            }
-            let mut total = 0.0f32;
-            #[unroll]
-            for u in 0..8usize {
-                total += o[u];
-            }
-            out[cube * head_dim + d] = F::cast_from(total / l);
-            d += UNITS as usize;
-        }
-    }
-}
-
 /// Shapes of one [`attention`] launch.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionShape {
@@ -552,11 +482,13 @@ pub fn attention<R: Runtime, F: Float>(
     splits: Option<usize>,
 ) {
     let io = [q, k_cache, v_cache, slot, pos, out];
-    attention_with::<R, F>(client, s, io, scratch, splits, AttentionKernel::Auto);
+    attention_with::<R, F>(client, s, io, scratch, splits, AttentionKernel::Auto, None);
 }
 
 /// [`attention`] with the kernel chosen by the caller (tests compare the two kernels);
-/// `io` is `[q, k_cache, v_cache, slot, pos, out]`.
+/// `io` is `[q, k_cache, v_cache, slot, pos, out]`. With `o_lora`, where the context is split
+/// and the spans' merge can take it ([`super::attention_combine`]), the merge also computes the
+/// o product's LoRA down-projection; returns whether it did.
 pub fn attention_with<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     s: AttentionShape,
@@ -564,7 +496,8 @@ pub fn attention_with<R: Runtime, F: Float>(
     scratch: &AttentionScratch,
     splits: Option<usize>,
     kernel: AttentionKernel,
-) {
+    o_lora: Option<&OLora<'_>>,
+) -> bool {
     let [q, k_cache, v_cache, slot, pos, out] = io;
     let tc = super::attention_tc::use_tc::<R, F>(client, &s, kernel);
     let d = s.head_dim;
@@ -627,22 +560,12 @@ pub fn attention_with<R: Runtime, F: Float>(
                 qw,
             );
         }
-        if split {
-            combine_kernel::launch_unchecked::<F, R>(
-                client,
-                grid_rows(base * group),
-                CubeDim::new_1d(UNITS),
-                ArrayArg::from_raw_parts(part_o, part_len * d),
-                ArrayArg::from_raw_parts(part_ml, part_len * 2),
-                ArrayArg::from_raw_parts(out.clone(), s.rows * s.q_heads * d),
-                (base * group) as u32,
-                splits as u32,
-                group,
-                d,
-                MAX_SPLITS,
-            );
-        }
     }
+    if !split {
+        return false;
+    }
+    let parts = (&scratch.part_o, &scratch.part_ml, part_len);
+    super::attention_combine::combine::<R, F>(client, &s, parts, splits, out, o_lora)
 }
 
 #[cfg(test)]

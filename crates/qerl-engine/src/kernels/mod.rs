@@ -9,6 +9,7 @@
 
 pub mod act;
 pub mod attention;
+pub mod attention_combine;
 pub mod attention_tc;
 pub mod dense;
 pub mod fill;
