@@ -190,7 +190,8 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             client, rope, &ws.q, &ws.k, &ws.v, p.slot, p.pos, &cos_sin.0, &cos_sin.1, k_cache,
             v_cache,
         );
-        let o_lora = layer.o.lora.as_ref().map(|a| OLora {
+        let fuse = crate::kernels::fused_lora::enabled();
+        let o_lora = layer.o.lora.as_ref().filter(|_| fuse).map(|a| OLora {
             a: &a.a,
             rank: a.rank,
             t: &ws.t[0],
@@ -327,7 +328,8 @@ fn down_product<R: Runtime, F: Float>(
     d: &Handle,
     t: &[Handle; 3],
 ) -> Result<Option<gemm::SplitParts>, EngineError> {
-    let Frozen::Quant(wq) = &down.weight else {
+    let fuse = crate::kernels::fused_lora::enabled();
+    let (Frozen::Quant(wq), true) = (&down.weight, fuse) else {
         linears::<R, F>(client, x, m, &[down], &[d], t, false)?;
         return Ok(None);
     };

@@ -138,9 +138,10 @@ fn norm_lora_kernel<F: Float, V: Size>(
     }
 }
 
-/// Whether [`norm_lora`] runs (read once): `QERL_FUSED_LORA=0` keeps the norm and the LoRA
-/// kernel apart, for A/B timing.
-fn enabled() -> bool {
+/// Whether the engine fuses at a few rows (read once): `QERL_FUSED_LORA=0` keeps the norm and
+/// the LoRA kernels apart ([`norm_lora`] declines), o's LoRA out of the attention's merge and the
+/// down product's reduction its own launch, for A/B timing.
+pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("QERL_FUSED_LORA").map_or(true, |v| v != "0"))
 }
