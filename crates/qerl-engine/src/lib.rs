@@ -3,8 +3,9 @@
 //!
 //! * [`shape`]: what the engine needs of a model (and Qwen2.5 presets for the benchmark).
 //! * [`weights`]: the device weights it reads, shared with the training model, or random.
-//! * [`kernels`]: fused CubeCL kernels (add + RMSNorm, RoPE + KV write, GQA attention over
-//!   the cache, SiLU·mul, dense products for the lm_head and LoRA, device sampling).
+//! * [`kernels`]: fused CubeCL kernels (add + RMSNorm, with the LoRA down-projections at a few
+//!   rows, RoPE + KV write, GQA attention over the cache, SiLU·mul, dense products for the
+//!   lm_head and LoRA, device sampling).
 //! * `forward`: one pass over a flat batch of `(token, slot, position)` rows, which serves
 //!   prefill and decode alike.
 //! * [`from_model`]: the engine over a loaded or training burn model (weights shared), with

@@ -5,8 +5,10 @@
 //! sums the weighted partial outputs. With the LoRA (decode at a few rows, where the attention
 //! splits: a 7B step at batch 1 ran the projection as a launch of its own, 3.7-4.3 µs a layer
 //! on an H100), each cube also dots its head's channels with the adapter's columns of that head
-//! and stores the `rank` sums; the last cube of the row to finish (an atomic count, behind a
-//! device-scope fence) adds the heads' sums in head order and stores the row's `T`.
+//! (each plane's `rank` sums by a shuffle butterfly, then the planes' in shared memory; a tree
+//! in shared memory over the cube took the merge from 5.0 to 11.1 µs) and stores them; the last
+//! cube of the row to finish (an atomic count, behind a device-scope fence) adds the heads'
+//! sums in head order and stores the row's `T`.
 //! Deterministic (a fixed order of additions) and batch-invariant (a row's sums are its own).
 //!
 //! The fence is `__threadfence()`, which cubecl 0.10 does not expose: it goes into the CUDA
@@ -18,8 +20,8 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::attention::{AttentionShape, MASKED, MAX_SPLITS, UNITS};
-use super::grid_rows;
-use super::row_of_cube;
+use super::lora_down::plane_sums;
+use super::{grid_rows, row_of_cube};
 
 /// The o product's adapter, for the merge to project its output with: `A_o [rank, q_dim]` in
 /// `F`, `T [rows, rank]` f32 (the output), the per-head sums `[rows, q_heads, rank]` f32, and
@@ -150,33 +152,33 @@ fn project<F: Float>(
     #[comptime] rank: usize,
 ) {
     let t = UNIT_POS_X as usize;
-    let units = UNITS as usize;
     let row = cube / q_heads;
     let head = cube % q_heads;
     let q_dim = q_heads * head_dim;
-    let mut sums = SharedMemory::<f32>::new(comptime!(rank * UNITS as usize));
+    // The head's channels are the first `head_dim / 32` planes' units.
+    let planes = comptime!(head_dim.div_ceil(32));
+    let mut red = SharedMemory::<f32>::new(comptime!(planes * rank));
     let mut last = SharedMemory::<u32>::new(1usize);
-    let live = t < head_dim;
-    let col = min(head * head_dim + t, q_dim - 1);
-    #[unroll]
-    for j in 0..rank {
-        let x = f32::cast_from(a[j * q_dim + col]);
-        sums[j * units + t] = select(live, own * x, 0.0f32);
+    let plane = t / 32;
+    if plane < planes {
+        let live = t < head_dim;
+        let col = min(head * head_dim + t, q_dim - 1);
+        let mut acc = Array::<f32>::new(rank);
+        #[unroll]
+        for j in 0..rank {
+            let x = f32::cast_from(a[j * q_dim + col]);
+            acc[j] = select(live, own * x, 0.0f32);
+        }
+        plane_sums(&mut acc, &mut red, (t % 32) as u32, plane, rank);
     }
     sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if t < stride {
-            #[unroll]
-            for j in 0..rank {
-                sums[j * units + t] += sums[j * units + t + stride];
-            }
-        }
-        sync_cube();
-        stride /= 2;
-    }
     if t < rank {
-        head_sums[(row * q_heads + head) * rank + t] = sums[t * units];
+        let mut total = red[t];
+        #[unroll]
+        for p in 1..planes {
+            total += red[p * rank + t];
+        }
+        head_sums[(row * q_heads + head) * rank + t] = total;
     }
     // Publish this head's sums, then count it; the row's last head adds them all.
     device_fence();
@@ -202,9 +204,10 @@ fn project<F: Float>(
     }
 }
 
-/// Merges `splits` spans of the attention of shape `s` into `out`; with `o_lora`, on CUDA, where
-/// the rank and head size allow ([`MAX_RANK`], `head_dim <= UNITS`), also the o product's LoRA
-/// down-projection into `o_lora.t`. Returns whether it did.
+/// Merges `splits` spans of the attention of shape `s` into `out`; with `o_lora`, on CUDA (32-wide
+/// planes), where the rank and head size allow (a power of two up to [`MAX_RANK`],
+/// `head_dim <= UNITS`), also the o product's LoRA down-projection into `o_lora.t`. Returns
+/// whether it did.
 pub(super) fn combine<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     s: &AttentionShape,
@@ -217,7 +220,12 @@ pub(super) fn combine<R: Runtime, F: Float>(
     let group = s.q_heads / s.kv_heads;
     let heads = s.rows * s.q_heads;
     let lora = o_lora.filter(|l| {
-        (1..=MAX_RANK).contains(&l.rank) && d <= UNITS as usize && R::name(client) == "cuda"
+        l.rank.is_power_of_two()
+            && l.rank <= MAX_RANK
+            && d <= UNITS as usize
+            && R::name(client) == "cuda"
+            && client.properties().hardware.plane_size_max == 32
+            && client.properties().hardware.plane_size_min == 32
     });
     let rank = lora.map_or(0, |l| l.rank);
     let q_dim = s.q_heads * d;

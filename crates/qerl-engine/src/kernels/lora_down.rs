@@ -157,6 +157,34 @@ fn reduce_step(acc: &mut Array<f32>, lane: u32, #[comptime] count: usize, #[comp
     }
 }
 
+/// Sums each of a unit's `outs` values (a power of two) over its plane of 32 with the
+/// transposing butterfly of [`reduce_step`], and stores the plane's sums at
+/// `red[plane · outs ..]`: deterministic, the same tree for every output whatever `outs`.
+#[cube]
+pub(super) fn plane_sums(
+    acc: &mut Array<f32>,
+    red: &mut SharedMemory<f32>,
+    lane: u32,
+    plane: usize,
+    #[comptime] outs: usize,
+) {
+    // Counts halve (at least 1) over offsets 16, 8, 4, 2, 1.
+    reduce_step(acc, lane, outs, 16u32);
+    reduce_step(acc, lane, comptime!((outs / 2).max(1)), 8u32);
+    reduce_step(acc, lane, comptime!((outs / 4).max(1)), 4u32);
+    reduce_step(acc, lane, comptime!((outs / 8).max(1)), 2u32);
+    reduce_step(acc, lane, comptime!((outs / 16).max(1)), 1u32);
+    // Now sum i of unit l is output i + per·(l / spread), equal over the `spread` units.
+    let per = comptime!((outs / PLANE).max(1));
+    let spread = comptime!((PLANE / outs).max(1));
+    if lane as usize & comptime!(spread - 1) == 0 {
+        #[unroll]
+        for i in 0..per {
+            red[plane * outs + i + per * (lane as usize / spread)] = acc[i];
+        }
+    }
+}
+
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn lora_down_kernel<F: Float, V: Size>(
@@ -236,21 +264,7 @@ fn lora_down_kernel<F: Float, V: Size>(
         v += comptime!(unroll * UNITS);
     }
 
-    // Plane sums: counts halve (at least 1) over offsets 16, 8, 4, 2, 1.
-    reduce_step(&mut acc, lane, outs, 16u32);
-    reduce_step(&mut acc, lane, comptime!((outs / 2).max(1)), 8u32);
-    reduce_step(&mut acc, lane, comptime!((outs / 4).max(1)), 4u32);
-    reduce_step(&mut acc, lane, comptime!((outs / 8).max(1)), 2u32);
-    reduce_step(&mut acc, lane, comptime!((outs / 16).max(1)), 1u32);
-    // Now sum i of unit l is output i + per·(l / spread), equal over the `spread` units.
-    let per = comptime!((outs / PLANE).max(1));
-    let spread = comptime!((PLANE / outs).max(1));
-    if lane as usize & comptime!(spread - 1) == 0 {
-        #[unroll]
-        for i in 0..per {
-            red[plane * outs + i + per * (lane as usize / spread)] = acc[i];
-        }
-    }
+    plane_sums(&mut acc, &mut red, lane, plane, outs);
     sync_cube();
     if tid < outs {
         let mut total = red[tid];

@@ -4,8 +4,9 @@
 //! CUDA), launches a static grid, and reduces in shared memory, so the same code runs on CUDA
 //! and on wgpu (lavapipe, which has no plane operations) for the tests. The exceptions run
 //! only where their runtime has what they need, with a portable kernel beside them:
-//! [`attention_tc`] (tensor cores; else [`attention`]'s SIMT kernel) and [`lora_down`] (plane
-//! operations; else [`dense`]).
+//! [`attention_tc`] (tensor cores; else [`attention`]'s SIMT kernel), [`lora_down`] (plane
+//! operations; else [`dense`]) and the LoRA projection in [`attention_combine`] (a device-scope
+//! fence, CUDA; else the LoRA kernel runs after the merge).
 
 pub mod act;
 pub mod attention;
