@@ -461,6 +461,29 @@ pub struct SplitParts {
     pub splits: usize,
 }
 
+/// The sizes of a product's buffers: `x [m, K]`, `y [m, N]`, bias `[N]`, LoRA `T [m, r]` (f32)
+/// and `B [N, r]`.
+fn check_product_buffers<F: Float>(
+    x: &Handle,
+    m: usize,
+    weight: &DeviceWeight,
+    bias: Option<&Handle>,
+    lora: Option<&LoraEpilogue<'_>>,
+    y: &Handle,
+) -> Result<(), KernelError> {
+    let (n, k) = (weight.n, weight.k);
+    check_buffer("matmul", "x", x, bytes_of::<F>(m * k))?;
+    check_buffer("matmul", "y", y, bytes_of::<F>(m * n))?;
+    if let Some(b) = bias {
+        check_buffer("matmul", "bias", b, bytes_of::<F>(n))?;
+    }
+    if let Some(l) = lora {
+        check_buffer("matmul", "LoRA T", l.t, bytes_of::<f32>(m * l.rank))?;
+        check_buffer("matmul", "LoRA B", l.b, bytes_of::<F>(n * l.rank))?;
+    }
+    Ok(())
+}
+
 /// [`matmul`], except where it would end in a split-K reduction launch of its own (the decode
 /// kernel at a few rows, whose K-slices fill the device): then the partial sums come back
 /// unreduced, for a consumer that reads them anyway to add them itself (the engine's norm after
@@ -481,15 +504,7 @@ pub fn matmul_or_parts<R: Runtime, F: Float>(
     if !decode || (mma && m >= crate::gemm_mma::options().min_m) {
         return matmul::<R, F>(client, x, m, weight, bias, lora, y).map(|()| None);
     }
-    check_buffer("matmul", "x", x, bytes_of::<F>(m * k))?;
-    check_buffer("matmul", "y", y, bytes_of::<F>(m * weight.n))?;
-    if let Some(b) = bias {
-        check_buffer("matmul", "bias", b, bytes_of::<F>(weight.n))?;
-    }
-    if let Some(l) = &lora {
-        check_buffer("matmul", "LoRA T", l.t, bytes_of::<f32>(m * l.rank))?;
-        check_buffer("matmul", "LoRA B", l.b, bytes_of::<F>(weight.n * l.rank))?;
-    }
+    check_product_buffers::<F>(x, m, weight, bias, lora.as_ref(), y)?;
     let l = lora.map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale));
     let parts = crate::gemv::launch::<R, F>(client, x, m, weight, bias.cloned(), l, y, true);
     Ok(parts.map(|(parts, splits)| SplitParts { parts, splits }))
@@ -509,15 +524,7 @@ pub fn matmul<R: Runtime, F: Float>(
     if m == 0 {
         return Err(shape_err("matmul", "M = 0".into()));
     }
-    check_buffer("matmul", "x", x, bytes_of::<F>(m * k))?;
-    check_buffer("matmul", "y", y, bytes_of::<F>(m * n))?;
-    if let Some(b) = bias {
-        check_buffer("matmul", "bias", b, bytes_of::<F>(n))?;
-    }
-    if let Some(l) = &lora {
-        check_buffer("matmul", "LoRA T", l.t, bytes_of::<f32>(m * l.rank))?;
-        check_buffer("matmul", "LoRA B", l.b, bytes_of::<F>(n * l.rank))?;
-    }
+    check_product_buffers::<F>(x, m, weight, bias, lora.as_ref(), y)?;
     // Unused optional inputs are bound to a buffer that is never read.
     let bias_h = bias.unwrap_or(&weight.code_table).clone();
     let (t_h, b_h, rank, scale) = match &lora {

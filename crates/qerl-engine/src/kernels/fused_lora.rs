@@ -24,7 +24,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::lora_down::load_a;
-use super::norm::{cube_sum, residual_sum, Residual};
+use super::norm::{cube_sum, inv_rms, residual_sum, Residual};
 use super::{vector_width, ROW_CUBE};
 
 /// Most rows [`norm_lora`] takes (the decode kernel's batches).
@@ -82,22 +82,8 @@ fn norm_lora_kernel<F: Float, V: Size>(
         let v = min(t + u * step, vecs - 1);
         e[u] = residual_sum::<F, V>(h, d, parts, row, v, vecs, stride, add, slices);
     }
-    // The norm: the sum of squares in the unfused kernel's order.
-    let mut sq = 0.0f32;
-    #[unroll]
-    for u in 0..per_unit {
-        if t + u * step < vecs {
-            #[unroll]
-            for k in 0..vs {
-                let f = f32::cast_from(e[u][k]);
-                sq += f * f;
-            }
-        }
-    }
-    partial[t] = sq;
-    sync_cube();
-    cube_sum(&mut partial);
-    let inv = 1.0f32 / f32::sqrt(partial[0] / dim as f32 + eps);
+    // The norm: the unfused kernel's arithmetic.
+    let inv = inv_rms::<F, V>(&e, &mut partial, vecs, dim, eps, per_unit);
     let mut acc = 0.0f32;
     #[unroll]
     for u in 0..per_unit {

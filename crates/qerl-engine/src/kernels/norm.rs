@@ -126,6 +126,39 @@ pub(crate) fn residual_sum<F: Float, V: Size>(
     sum
 }
 
+/// `1 / sqrt(mean(x²) + eps)` of the row whose vectors `t, t + CUBE_DIM, ...` this unit holds
+/// in `e` (`per_unit` of them, those past `vecs` not counted): each unit's squares in order,
+/// then [`cube_sum`]. Every unit calls it; the fused kernels share it, so their norms are this
+/// one's bit for bit.
+#[cube]
+pub(crate) fn inv_rms<F: Float, V: Size>(
+    e: &Array<Vector<F, V>>,
+    partial: &mut SharedMemory<f32>,
+    vecs: usize,
+    dim: u32,
+    eps: f32,
+    #[comptime] per_unit: usize,
+) -> f32 {
+    let vs = e.vector_size();
+    let t = UNIT_POS_X as usize;
+    let step = CUBE_DIM_X as usize;
+    let mut sq = 0.0f32;
+    #[unroll]
+    for u in 0..per_unit {
+        if t + u * step < vecs {
+            #[unroll]
+            for k in 0..vs {
+                let f = f32::cast_from(e[u][k]);
+                sq += f * f;
+            }
+        }
+    }
+    partial[t] = sq;
+    sync_cube();
+    cube_sum(partial);
+    1.0f32 / f32::sqrt(partial[0] / dim as f32 + eps)
+}
+
 /// For output row `i` and its source row `s = index[i]` (or `i` without `gather`):
 /// `x = h[s] + d[s]` when `add` ([`residual_sum`]; written back to `h[s]` as the layer's
 /// residual, except when gathering: a source row may be gathered several times, and the final
@@ -173,25 +206,16 @@ fn add_rms_norm_kernel<F: Float, V: Size>(
             let v = min(t + u * step, vecs - 1);
             e[u] = residual_sum::<F, V>(h, d, parts, s, v, vecs, stride, add, slices);
         }
-        let mut sq = 0.0f32;
-        #[unroll]
-        for u in 0..per_unit {
-            let v = t + u * step;
-            if v < vecs {
-                if add && !gather {
+        if add && !gather {
+            #[unroll]
+            for u in 0..per_unit {
+                let v = t + u * step;
+                if v < vecs {
                     h[s * vecs + v] = e[u];
-                }
-                #[unroll]
-                for k in 0..vs {
-                    let f = f32::cast_from(e[u][k]);
-                    sq += f * f;
                 }
             }
         }
-        partial[t] = sq;
-        sync_cube();
-        cube_sum(&mut partial);
-        let r = 1.0f32 / f32::sqrt(partial[0] / dim as f32 + eps);
+        let r = inv_rms::<F, V>(&e, &mut partial, vecs, dim, eps, per_unit);
         #[unroll]
         for u in 0..per_unit {
             let v = t + u * step;
