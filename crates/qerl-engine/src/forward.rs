@@ -8,8 +8,9 @@
 //! RMSNorm, gate/up LoRA downs in one launch, the two products, SiLU·mul, the down product
 //! (its residual add is fused into the next norm). At a few rows the LoRA down-projections of
 //! q/k/v and gate/up run inside the norm launches ([`crate::kernels::fused_lora`]), o's inside
-//! the attention's merge of its spans (CUDA, [`crate::kernels::attention_combine`]), and the
-//! down product's K-slices are added by the next norm ([`Residual::Parts`]).
+//! the attention's merge of its spans ([`crate::kernels::attention_combine`]) and down's inside
+//! SiLU·mul (both CUDA), and the down product's K-slices are added by the next norm
+//! ([`Residual::Parts`]).
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -20,7 +21,7 @@ use crate::kernels::attention::{
     attention_with, AttentionKernel, AttentionScratch, AttentionShape, OLora,
 };
 use crate::kernels::dense::{self, dense, DenseEpilogue};
-use crate::kernels::fused_lora::norm_lora;
+use crate::kernels::fused_lora::{norm_lora, silu_lora, silu_slices};
 use crate::kernels::norm::{add_rms_norm, embed, Residual};
 use crate::kernels::rope::{rope_kv, RopeShape};
 use crate::kernels::sample::SampleScratch;
@@ -53,10 +54,11 @@ pub(crate) struct Workspace {
     pub logit_rows: usize,
     /// Partial outputs of the attention split along the sequence.
     pub attn_scratch: AttentionScratch,
-    /// The o adapter's per-head sums `[rows, q_heads, rank]` f32 and a zeroed counter a row,
-    /// for the spans' merge that computes its LoRA down-projection (`OLora`).
-    pub o_head_sums: Handle,
-    pub o_counters: Handle,
+    /// Partial LoRA sums of the kernels that add them across cubes (the spans' merge with o's
+    /// adapter: `[rows, q_heads, rank]`; SiLU·mul with down's: `[rows, slices, rank]`), f32, and
+    /// a counter a row, zero between launches.
+    pub lora_sums: Handle,
+    pub lora_counters: Handle,
     /// Per-chunk results of sampling the `logit_rows` rows.
     pub sample_scratch: SampleScratch,
 }
@@ -89,8 +91,9 @@ impl Workspace {
             xf: buf(logit_rows * s.hidden),
             logits: client.empty(logit_rows * s.vocab * 4),
             logit_rows,
-            o_head_sums: client.empty(rows * s.q_heads * rank * 4),
-            o_counters: client.create_from_slice(u32::as_bytes(&vec![0u32; rows.max(1)])),
+            lora_sums: client
+                .empty(rows * s.q_heads.max(silu_slices::<F>(s.intermediate)) * rank * 4),
+            lora_counters: client.create_from_slice(u32::as_bytes(&vec![0u32; rows.max(1)])),
             attn_scratch: AttentionScratch::new(
                 client,
                 s.q_heads,
@@ -195,8 +198,8 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             a: &a.a,
             rank: a.rank,
             t: &ws.t[0],
-            head_sums: &ws.o_head_sums,
-            counters: &ws.o_counters,
+            head_sums: &ws.lora_sums,
+            counters: &ws.lora_counters,
         });
         let io = [&ws.q, k_cache, v_cache, p.slot, p.pos, &ws.attn];
         let t_ready = attention_with::<R, F>(
@@ -228,8 +231,25 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             &ws.t,
             t_ready,
         )?;
-        silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
-        down_parts = down_product::<R, F>(client, &ws.act, m, &layer.down, &ws.d, &ws.t)?;
+        let t_ready = layer.down.lora.as_ref().filter(|_| fuse).is_some_and(|a| {
+            silu_lora::<R, F>(
+                client,
+                &ws.gate,
+                &ws.up,
+                &ws.act,
+                m,
+                s.intermediate,
+                &a.a,
+                a.rank,
+                &ws.t[0],
+                &ws.lora_sums,
+                &ws.lora_counters,
+            )
+        });
+        if !t_ready {
+            silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
+        }
+        down_parts = down_product::<R, F>(client, &ws.act, m, &layer.down, &ws.d, &ws.t, t_ready)?;
     }
     let n = p.logit_count;
     if n == 0 {
@@ -319,7 +339,7 @@ fn norm<'a, R: Runtime, F: Float>(
 
 /// The down product into `d`, or, where it would end in a split-K reduction of its own (the
 /// decode kernel at a few rows), its unreduced K-slices for the next norm to add
-/// ([`Residual::Parts`]): one launch fewer a layer.
+/// ([`Residual::Parts`]): one launch fewer a layer. `t_ready`: SiLU·mul filled `t[0]`.
 fn down_product<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -327,13 +347,16 @@ fn down_product<R: Runtime, F: Float>(
     down: &Linear,
     d: &Handle,
     t: &[Handle; 3],
+    t_ready: bool,
 ) -> Result<Option<gemm::SplitParts>, EngineError> {
     let fuse = crate::kernels::fused_lora::enabled();
     let (Frozen::Quant(wq), true) = (&down.weight, fuse) else {
-        linears::<R, F>(client, x, m, &[down], &[d], t, false)?;
+        linears::<R, F>(client, x, m, &[down], &[d], t, t_ready)?;
         return Ok(None);
     };
-    lora_downs::<R, F>(client, x, m, &[down], t)?;
+    if !t_ready {
+        lora_downs::<R, F>(client, x, m, &[down], t)?;
+    }
     let lora = down.lora.as_ref().map(|a| LoraEpilogue {
         t: &t[0],
         b: &a.b,

@@ -11,14 +11,13 @@
 //! sums in head order and stores the row's `T`.
 //! Deterministic (a fixed order of additions) and batch-invariant (a row's sums are its own).
 //!
-//! The fence is `__threadfence()`, which cubecl 0.10 does not expose: it goes into the CUDA
-//! source through a comment (`comment!` with a newline is written as a C block comment, which
-//! the text closes and reopens). So the LoRA variant runs on CUDA only; elsewhere the merge runs
+//! The count and its fences are [`super::arrival`]'s, CUDA only: elsewhere the merge runs
 //! alone and the caller runs the projection.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use super::arrival::last_arrival;
 use super::attention::{AttentionShape, MASKED, MAX_SPLITS, UNITS};
 use super::lora_down::plane_sums;
 use super::{grid_rows, row_of_cube};
@@ -37,12 +36,6 @@ pub struct OLora<'a> {
 
 /// Most adapter rank the merge takes (the sums of a cube live in shared memory).
 pub const MAX_RANK: usize = 64;
-
-/// `__threadfence()` in the CUDA source (see the module documentation).
-#[cube]
-fn device_fence() {
-    comment!("\n*/ __threadfence(); /*\n");
-}
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -158,7 +151,6 @@ fn project<F: Float>(
     // The head's channels are the first `head_dim / 32` planes' units.
     let planes = comptime!(head_dim.div_ceil(32));
     let mut red = SharedMemory::<f32>::new(comptime!(planes * rank));
-    let mut last = SharedMemory::<u32>::new(1usize);
     let plane = t / 32;
     if plane < planes {
         let live = t < head_dim;
@@ -181,26 +173,13 @@ fn project<F: Float>(
         head_sums[(row * q_heads + head) * rank + t] = total;
     }
     // Publish this head's sums, then count it; the row's last head adds them all.
-    device_fence();
-    sync_cube();
-    if t == 0 {
-        let before = counters[row].fetch_add(1u32);
-        let is_last = before == (q_heads - 1) as u32;
-        last[0] = u32::cast_from(is_last);
-        if is_last {
-            counters[row].store(0u32);
+    let is_last = last_arrival(counters, row, q_heads as u32);
+    if is_last && t < rank {
+        let mut total = 0.0f32;
+        for h in 0..q_heads {
+            total += head_sums[(row * q_heads + h) * rank + t];
         }
-    }
-    sync_cube();
-    if last[0] == 1u32 {
-        device_fence();
-        if t < rank {
-            let mut total = 0.0f32;
-            for h in 0..q_heads {
-                total += head_sums[(row * q_heads + h) * rank + t];
-            }
-            t_out[row * rank + t] = total;
-        }
+        t_out[row * rank + t] = total;
     }
 }
 

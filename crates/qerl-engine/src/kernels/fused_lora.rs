@@ -1,5 +1,6 @@
-//! The LoRA down-projections of the products that read a norm's output (q/k/v, gate/up),
-//! fused into that norm at a few rows: residual add + RMSNorm + `T_s = xn · A_sᵀ`.
+//! LoRA down-projections fused into the kernel that makes their input, at a few rows: the
+//! residual add + RMSNorm with `T_s = xn · A_sᵀ` for the products that read the norm (q/k/v,
+//! gate/up), and SiLU·mul with `T = act · Aᵀ` for the down product ([`silu_lora`], CUDA).
 //!
 //! Why: at batch 1 on an H100 each LoRA down-projection was a launch of its own at ~4 µs,
 //! reading the one row the launch before it had just written (ncu, 2026-11-27). Here each cube
@@ -7,9 +8,13 @@
 //! grid column 0 store it, and every cube dots it with one row of one adapter: a grid of
 //! (adapters · rank) x rows cubes, no sums across cubes. Measured on an H100 (7B, batch 1):
 //! 6.0 µs a launch against 5.0 for the norm plus 3.9 for the LoRA kernel. At 64 rows, tiles of
-//! 4 rows x 4 adapter rows took 23 µs against 11.4 (dropped: [`MAX_ROWS`]); a SiLU·mul with
-//! the down adapter's projection, each cube making its row's whole activation (~75 KiB), took
-//! 15.4 µs against 7.2 (dropped).
+//! 4 rows x 4 adapter rows took 23 µs against 11.4 (dropped: [`MAX_ROWS`]).
+//!
+//! The activation is too long for that (~75 KiB a row at 7B: a SiLU·mul whose every cube made
+//! its row's whole activation took 15.4 µs against 3.5 + 3.7 apart). So [`silu_lora`] keeps
+//! SiLU·mul's grid, one vector of the activation a unit, and each cube sums its slice's share
+//! of `T` (plane butterflies, then the planes in shared memory); the row's last cube adds the
+//! slices' sums in order ([`super::arrival`], CUDA only).
 //!
 //! Arithmetic: the row is the unfused kernel's bit for bit (the same loads and roundings, the
 //! same shared-memory tree for the sum of squares), so `xn` equals
@@ -17,13 +22,14 @@
 //! then over the units by the same tree: deterministic and batch-invariant.
 //!
 //! The residual: cubes other than column 0 read `h` and `d` while column 0 stores their sum,
-//! so the sum goes to another buffer (`h_out`; the engine alternates two).
-//! Shared memory and barriers only: the same code runs on wgpu (lavapipe) for the tests.
+//! so the sum goes to another buffer (`h_out`; the engine alternates two). The norm kernel uses
+//! shared memory and barriers only: the same code runs on wgpu (lavapipe) for the tests.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::lora_down::load_a;
+use super::arrival::last_arrival;
+use super::lora_down::{load_a, plane_sums};
 use super::norm::{cube_sum, inv_rms, residual_sum, Residual};
 use super::{vector_width, ROW_CUBE};
 
@@ -210,6 +216,160 @@ pub fn norm_lora<R: Runtime, F: Float>(
             add,
             slices,
             per_unit,
+        );
+    }
+    true
+}
+
+/// Units a cube of [`silu_lora`]: one vector of the activation each.
+const SILU_UNITS: usize = 256;
+
+/// For row `CUBE_POS_Y` and its slice `CUBE_POS_X` of [`SILU_UNITS`] vectors:
+/// `out = silu(gate) ⊙ up` ([`super::act::silu_mul`]'s arithmetic), the slice's share of
+/// `T[row, j] = out · A[j]` for every `j < rank` into `slice_sums [rows, slices, rank]`, and
+/// from the row's last slice to finish, `T`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn silu_lora_kernel<F: Float, V: Size>(
+    gate: &Array<Vector<F, V>>,
+    up: &Array<Vector<F, V>>,
+    a: &Array<Vector<F, V>>,
+    out: &mut Array<Vector<F, V>>,
+    slice_sums: &mut Array<f32>,
+    counters: &mut Array<Atomic<u32>>,
+    t_out: &mut Array<f32>,
+    vecs: u32,
+    #[comptime] rank: usize,
+) {
+    let vs = gate.vector_size();
+    let planes = comptime!(SILU_UNITS / 32);
+    let mut red = SharedMemory::<f32>::new(comptime!(planes * rank));
+    let t = UNIT_POS_X as usize;
+    let vecs = vecs as usize;
+    let slice = CUBE_POS_X as usize;
+    let slices = CUBE_COUNT_X as usize;
+    let row = CUBE_POS_Y as usize;
+    let v = slice * SILU_UNITS + t;
+    let live = v < vecs;
+    let vc = min(v, vecs - 1);
+    // Every load first: the adapter's columns of this vector, then gate and up.
+    let mut av = Array::<Vector<F, V>>::new(rank);
+    #[unroll]
+    for j in 0..rank {
+        av[j] = a[j * vecs + vc];
+    }
+    let g = gate[row * vecs + vc];
+    let u = up[row * vecs + vc];
+    let mut o = Vector::<F, V>::empty();
+    #[unroll]
+    for k in 0..vs {
+        let x = f32::cast_from(g[k]);
+        let silu = x / (1.0f32 + f32::exp(-x));
+        o[k] = F::cast_from(silu * f32::cast_from(u[k]));
+    }
+    if live {
+        out[row * vecs + v] = o;
+    }
+    let mut acc = Array::<f32>::new(rank);
+    #[unroll]
+    for j in 0..rank {
+        let mut sum = 0.0f32;
+        #[unroll]
+        for k in 0..vs {
+            sum = fma(f32::cast_from(o[k]), f32::cast_from(av[j][k]), sum);
+        }
+        acc[j] = select(live, sum, 0.0f32);
+    }
+    plane_sums(&mut acc, &mut red, (t % 32) as u32, t / 32, rank);
+    sync_cube();
+    if t < rank {
+        let mut total = red[t];
+        #[unroll]
+        for p in 1..planes {
+            total += red[p * rank + t];
+        }
+        slice_sums[(row * slices + slice) * rank + t] = total;
+    }
+    let is_last = last_arrival(counters, row, slices as u32);
+    if is_last && t < rank {
+        let mut total = 0.0f32;
+        for s in 0..slices {
+            total += slice_sums[(row * slices + s) * rank + t];
+        }
+        t_out[row * rank + t] = total;
+    }
+}
+
+/// Slices of [`silu_lora`] a row of `width` elements of `F` takes, so the slice sums hold
+/// `rows · slices · rank` f32.
+pub fn silu_slices<F: Float>(width: usize) -> usize {
+    (width / vector_width::<F>(width)).div_ceil(SILU_UNITS)
+}
+
+/// `out [rows, width] = silu(gate) ⊙ up` with the LoRA down-projection `t [rows, rank] = out ·
+/// aᵀ` (f32) of the adapter `a [rank, width]` in `F`; `slice_sums` holds at least
+/// `rows · silu_slices(width) · rank` f32 and `counters` `rows` zeroed `u32` (left zero).
+/// Returns false, launching nothing, where it does not apply (not CUDA with 32-wide planes,
+/// more than [`MAX_ROWS`] rows, a rank that is not a power of two up to 64, or
+/// `QERL_FUSED_LORA=0`): the caller runs [`super::act::silu_mul`] and the LoRA kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn silu_lora<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    gate: &Handle,
+    up: &Handle,
+    out: &Handle,
+    rows: usize,
+    width: usize,
+    a: &Handle,
+    rank: usize,
+    t: &Handle,
+    slice_sums: &Handle,
+    counters: &Handle,
+) -> bool {
+    let hw = &client.properties().hardware;
+    if !enabled()
+        || R::name(client) != "cuda"
+        || hw.plane_size_min != 32
+        || hw.plane_size_max != 32
+        || !(1..=MAX_ROWS).contains(&rows)
+        || !rank.is_power_of_two()
+        || rank > 64
+        || width == 0
+    {
+        return false;
+    }
+    let vs = vector_width::<F>(width);
+    let vecs = width / vs;
+    let slices = silu_slices::<F>(width);
+    let e = std::mem::size_of::<F>() as u64;
+    let big = |h: &Handle, len: usize, e: u64| h.size_in_used() >= len as u64 * e;
+    assert!(
+        [gate, up, out].iter().all(|b| big(b, rows * width, e))
+            && big(a, rank * width, e)
+            && big(t, rows * rank, 4)
+            && big(slice_sums, rows * slices * rank, 4)
+            && big(counters, rows, 4),
+        "silu_lora: buffers smaller than gate [{rows}, {width}], a [{rank}, {width}], \
+         t [{rows}, {rank}], {slices} slice sums a row, {rows} counters"
+    );
+    // SAFETY: lengths asserted above (`vs` divides `width`); the kernel reads vector
+    // `min(v, vecs - 1)` of its row (below `rows`: the grid's y) and stores vectors below
+    // `vecs`, sums below `rows · slices · rank` and `T` below `rows · rank`.
+    unsafe {
+        silu_lora_kernel::launch_unchecked::<F, R>(
+            client,
+            CubeCount::Static(slices as u32, rows as u32, 1),
+            CubeDim::new_1d(SILU_UNITS as u32),
+            vs,
+            ArrayArg::from_raw_parts(gate.clone(), rows * vecs),
+            ArrayArg::from_raw_parts(up.clone(), rows * vecs),
+            ArrayArg::from_raw_parts(a.clone(), rank * vecs),
+            ArrayArg::from_raw_parts(out.clone(), rows * vecs),
+            ArrayArg::from_raw_parts(slice_sums.clone(), rows * slices * rank),
+            ArrayArg::from_raw_parts(counters.clone(), rows),
+            ArrayArg::from_raw_parts(t.clone(), rows * rank),
+            vecs as u32,
+            rank,
         );
     }
     true

@@ -9,6 +9,7 @@
 //! fence, CUDA; else the LoRA kernel runs after the merge).
 
 pub mod act;
+mod arrival;
 pub mod attention;
 pub mod attention_combine;
 pub mod attention_tc;

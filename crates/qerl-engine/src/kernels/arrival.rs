@@ -1,0 +1,42 @@
+//! Cross-cube sums without a second launch (CUDA): each cube of a group stores its part, and
+//! the group's last cube to finish, found by an atomic count, adds the parts in a fixed order.
+//!
+//! The stores must be visible to the last cube before it counts: `__threadfence()` on both
+//! sides, which cubecl 0.10 does not expose. It goes into the CUDA source through a comment
+//! (`comment!` with a newline is written as a C block comment, which the text closes and
+//! reopens), so kernels that use this run on CUDA only (WGSL has no device-scope fence, and
+//! would get the text as code). A buffer the other cubes write during the launch must be bound
+//! read-write (`&mut`): cubecl binds read-only arrays as `const __restrict__`, which the CUDA
+//! compiler may read through the non-coherent cache.
+
+use cubecl::prelude::*;
+
+/// `__threadfence()` in the CUDA source (see the module documentation).
+#[cube]
+pub(crate) fn device_fence() {
+    comment!("\n*/ __threadfence(); /*\n");
+}
+
+/// Called by every unit of the cube after its part's stores: counts the cube at
+/// `counters[group]` and returns, to every unit, whether it was the last of `parts`. The last
+/// resets the count to 0 (for the next launch) and fences before it reads the other parts.
+#[cube]
+pub(crate) fn last_arrival(counters: &mut Array<Atomic<u32>>, group: usize, parts: u32) -> bool {
+    let mut last = SharedMemory::<u32>::new(1usize);
+    device_fence();
+    sync_cube();
+    if UNIT_POS == 0 {
+        let before = counters[group].fetch_add(1u32);
+        let is_last = before == parts - 1;
+        last[0] = u32::cast_from(is_last);
+        if is_last {
+            counters[group].store(0u32);
+        }
+    }
+    sync_cube();
+    let is_last = last[0] == 1u32;
+    if is_last {
+        device_fence();
+    }
+    is_last
+}
