@@ -5,8 +5,8 @@
 # There: bash tools/device_step_profile.sh "name:ENV=v,ENV=v@64+256" ...
 #   each argument: a variant name, its environment (comma-separated, may be empty) and its batches.
 # Env: SHAPE (qwen2.5-7b), PRECISION (nvfp4), NCU_T (per run, 150 s), TOP (kernels listed, 12),
-#   STEP (launches between two sampling launches that make one decode step, 300-900: ~430 at
-#   batch 1 on the decode kernel, 600-800 at batch 64), NEW (new tokens a run, 16), SKIP (launches
+#   STEP (launches between two sampling launches that make one decode step, 200-900: ~285 at
+#   batch 1 since session 17's fusions, 600-800 at batch 64), NEW (new tokens a run, 16), SKIP (launches
 #   skipped, overriding the estimate below; at batch 256: NEW=64 SKIP=53000).
 # The launches skipped are estimated per batch from a 7B profile (2026-11-27): ~7,200 building
 # the model, then a warm-up (the prefill, ~1,400 launches per 4,096-row pass, and one decode step
@@ -26,7 +26,7 @@ for spec in "$@"; do
       /tmp/qerl bench rollout --shape ${SHAPE:-qwen2.5-7b} --precision ${PRECISION:-nvfp4} --batch $b \
       --prompt 256 --new-tokens ${NEW:-16} --no-check > "$csv" 2>/dev/null
     echo "== $name batch $b (${envs:-defaults}): ncu $((SECONDS - start)) s"
-    python3 - "$csv" "${TOP:-12}" "${STEP:-300-900}" <<'PY'
+    python3 - "$csv" "${TOP:-12}" "${STEP:-200-900}" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if not rows:
