@@ -40,3 +40,40 @@ pub(crate) fn last_arrival(counters: &mut Array<Atomic<u32>>, group: usize, part
     }
     is_last
 }
+
+/// The end of a sum of `rank` values over the `count` cubes of group `group`, this cube being
+/// `index` of them; every unit calls it, after the barrier that follows the planes' stores of
+/// their sums into `red [planes, rank]`: adds the planes' sums in plane order, stores the cube's
+/// part at `parts[(group · count + index) · rank ..]`, and the group's last cube to finish adds
+/// the `count` parts in order into `out[group · rank ..]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sum_parts(
+    red: &SharedMemory<f32>,
+    parts: &mut Array<f32>,
+    counters: &mut Array<Atomic<u32>>,
+    out: &mut Array<f32>,
+    group: usize,
+    index: usize,
+    count: usize,
+    #[comptime] planes: usize,
+    #[comptime] rank: usize,
+) {
+    let t = UNIT_POS as usize;
+    if t < rank {
+        let mut total = red[t];
+        #[unroll]
+        for p in 1..planes {
+            total += red[p * rank + t];
+        }
+        parts[(group * count + index) * rank + t] = total;
+    }
+    let is_last = last_arrival(counters, group, count as u32);
+    if is_last && t < rank {
+        let mut total = 0.0f32;
+        for i in 0..count {
+            total += parts[(group * count + i) * rank + t];
+        }
+        out[group * rank + t] = total;
+    }
+}

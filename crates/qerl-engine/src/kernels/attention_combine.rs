@@ -17,7 +17,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::arrival::last_arrival;
+use super::arrival::sum_parts;
 use super::attention::{AttentionShape, MASKED, MAX_SPLITS, UNITS};
 use super::lora_down::plane_sums;
 use super::{grid_rows, row_of_cube};
@@ -164,23 +164,10 @@ fn project<F: Float>(
         plane_sums(&mut acc, &mut red, (t % 32) as u32, plane, rank);
     }
     sync_cube();
-    if t < rank {
-        let mut total = red[t];
-        #[unroll]
-        for p in 1..planes {
-            total += red[p * rank + t];
-        }
-        head_sums[(row * q_heads + head) * rank + t] = total;
-    }
-    // Publish this head's sums, then count it; the row's last head adds them all.
-    let is_last = last_arrival(counters, row, q_heads as u32);
-    if is_last && t < rank {
-        let mut total = 0.0f32;
-        for h in 0..q_heads {
-            total += head_sums[(row * q_heads + h) * rank + t];
-        }
-        t_out[row * rank + t] = total;
-    }
+    // The head's sums, then the row's last head adds them all.
+    sum_parts(
+        &red, head_sums, counters, t_out, row, head, q_heads, planes, rank,
+    );
 }
 
 /// Merges `splits` spans of the attention of shape `s` into `out`; with `o_lora`, on CUDA (32-wide

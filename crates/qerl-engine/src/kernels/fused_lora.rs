@@ -28,7 +28,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::arrival::last_arrival;
+use super::arrival::sum_parts;
 use super::lora_down::{load_a, plane_sums};
 use super::norm::{cube_sum, inv_rms, residual_sum, Residual};
 use super::{vector_width, ROW_CUBE};
@@ -282,22 +282,10 @@ fn silu_lora_kernel<F: Float, V: Size>(
     }
     plane_sums(&mut acc, &mut red, (t % 32) as u32, t / 32, rank);
     sync_cube();
-    if t < rank {
-        let mut total = red[t];
-        #[unroll]
-        for p in 1..planes {
-            total += red[p * rank + t];
-        }
-        slice_sums[(row * slices + slice) * rank + t] = total;
-    }
-    let is_last = last_arrival(counters, row, slices as u32);
-    if is_last && t < rank {
-        let mut total = 0.0f32;
-        for s in 0..slices {
-            total += slice_sums[(row * slices + s) * rank + t];
-        }
-        t_out[row * rank + t] = total;
-    }
+    // The slice's sums, then the row's last slice adds them all.
+    sum_parts(
+        &red, slice_sums, counters, t_out, row, slice, slices, planes, rank,
+    );
 }
 
 /// Slices of [`silu_lora`] a row of `width` elements of `F` takes, so the slice sums hold
