@@ -484,6 +484,24 @@ fn check_product_buffers<F: Float>(
     Ok(())
 }
 
+/// Where [`matmul`] sends `m > 0` rows of `weight`: `(decode, mma)`, whether the decode kernel
+/// takes them, and whether the decode-batch mma kernel could. Up to `max_m` (256) rows of an
+/// E2M1 weight on CUDA go to the mma kernel from `min_m` rows; fewer to the decode kernel.
+fn decode_route<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    weight: &DeviceWeight,
+    lora_rank: Option<usize>,
+) -> (bool, bool) {
+    let k = weight.k;
+    let mma = mma_applies::<R, F>(client, m, weight, lora_rank);
+    let decode = crate::gemv::applies(client, m, k, tensor_cores::<R, F>(client, m, k));
+    (
+        decode && !(mma && m >= crate::gemm_mma::options().min_m),
+        mma,
+    )
+}
+
 /// [`matmul`], except where it would end in a split-K reduction launch of its own (the decode
 /// kernel at a few rows, whose K-slices fill the device): then the partial sums come back
 /// unreduced, for a consumer that reads them anyway to add them itself (the engine's norm after
@@ -497,11 +515,8 @@ pub fn matmul_or_parts<R: Runtime, F: Float>(
     lora: Option<LoraEpilogue<'_>>,
     y: &Handle,
 ) -> Result<Option<SplitParts>, KernelError> {
-    let k = weight.k;
     let lora_rank = lora.as_ref().map(|l| l.rank);
-    let mma = m > 0 && mma_applies::<R, F>(client, m, weight, lora_rank);
-    let decode = m > 0 && crate::gemv::applies(client, m, k, tensor_cores::<R, F>(client, m, k));
-    if !decode || (mma && m >= crate::gemm_mma::options().min_m) {
+    if m == 0 || !decode_route::<R, F>(client, m, weight, lora_rank).0 {
         return matmul::<R, F>(client, x, m, weight, bias, lora, y).map(|()| None);
     }
     check_product_buffers::<F>(x, m, weight, bias, lora.as_ref(), y)?;
@@ -531,12 +546,9 @@ pub fn matmul<R: Runtime, F: Float>(
         Some(l) => (l.t.clone(), l.b.clone(), l.rank, l.scale),
         None => (weight.code_table.clone(), weight.code_table.clone(), 0, 0.0),
     };
-    // Up to `max_m` (256) rows of an E2M1 weight on CUDA: the decode-batch mma kernel, from
-    // `min_m` rows (fewer go to the decode kernel).
     let lora_rank = lora.as_ref().map(|l| l.rank);
-    let mma = mma_applies::<R, F>(client, m, weight, lora_rank);
-    let decode = crate::gemv::applies(client, m, k, tensor_cores::<R, F>(client, m, k));
-    if decode && !(mma && m >= crate::gemm_mma::options().min_m) {
+    let (decode, mma) = decode_route::<R, F>(client, m, weight, lora_rank);
+    if decode {
         let l = lora
             .as_ref()
             .map(|l| (l.t.clone(), l.b.clone(), l.rank, l.scale));
