@@ -19,6 +19,7 @@
 //! arguments, hence the `u32` words.
 
 pub mod attention;
+pub mod blas;
 #[cfg(feature = "cuda")]
 mod cublas;
 pub mod dense;

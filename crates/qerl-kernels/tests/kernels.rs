@@ -538,6 +538,90 @@ pub fn dense_products<R: Runtime, F: Float + CubeElement>(device: &R::Device, to
     }
 }
 
+/// [`qerl_kernels::blas::products`] (the training's LoRA and lm_head products on cuBLAS): every
+/// transpose combination with a scale, and a second product reading the first one's output in
+/// the same call, against the f64 host product; outputs poisoned. Where cuBLAS cannot run `F`
+/// here (wgpu, f32) the call must say so and launch nothing.
+pub fn blas_products<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    use qerl_kernels::blas::{self, DenseProduct};
+    let c = R::client(device);
+    if !supported::<R, F>(&c) {
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    let (m, n, k, j) = (70, 24, 48, 36);
+    for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+        let (a, b, d) = (
+            normal(&mut rng, m * k, 1.0),
+            normal(&mut rng, k * n, 1.0),
+            normal(&mut rng, n * j, 1.0),
+        );
+        let (ra, rb, rd) = (rounded::<F>(&a), rounded::<F>(&b), rounded::<F>(&d));
+        let alpha = 0.75f32;
+        let op_a = |i: usize, l: usize| if a_t { ra[l * m + i] } else { ra[i * k + l] };
+        let op_b = |l: usize, q: usize| if b_t { rb[q * k + l] } else { rb[l * n + q] };
+        let mut c1 = vec![0.0; m * n];
+        for i in 0..m {
+            for q in 0..n {
+                c1[i * n + q] = alpha as f64 * (0..k).map(|l| op_a(i, l) * op_b(l, q)).sum::<f64>();
+            }
+        }
+        // The second product reads C1 as the device stores it: rounded to F.
+        let c1r = rounded::<F>(&c1.iter().map(|&v| v as f32).collect::<Vec<_>>());
+        let mut c2 = vec![0.0; m * j];
+        for i in 0..m {
+            for q in 0..j {
+                c2[i * j + q] = (0..n).map(|l| c1r[i * n + l] * rd[l * j + q]).sum();
+            }
+        }
+        let (ah, bh, dh) = (
+            upload::<R, F>(&c, &a),
+            upload::<R, F>(&c, &b),
+            upload::<R, F>(&c, &d),
+        );
+        let (y1, y2) = (poisoned::<R, F>(&c, m * n), poisoned::<R, F>(&c, m * j));
+        let products = [
+            DenseProduct {
+                a: &ah,
+                a_t,
+                b: &bh,
+                b_t,
+                c: &y1,
+                m,
+                n,
+                k,
+                alpha,
+            },
+            DenseProduct {
+                a: &y1,
+                a_t: false,
+                b: &dh,
+                b_t: false,
+                c: &y2,
+                m,
+                n: j,
+                k: n,
+                alpha: 1.0,
+            },
+        ];
+        let ran = blas::products::<R, F>(&c, &products).expect("product shapes");
+        assert_eq!(ran, blas::available::<R, F>(&c), "ran where available only");
+        if !ran {
+            eprintln!("note: no cuBLAS for this type here, dense products not run");
+            return;
+        }
+        let what = format!("blas a_t={a_t} b_t={b_t}");
+        assert_close(&what, &read::<R, F>(&c, &y1), &c1, tol, seed);
+        assert_close(
+            &format!("{what}, chained"),
+            &read::<R, F>(&c, &y2),
+            &c2,
+            tol,
+            seed,
+        );
+    }
+}
+
 /// The dense operands of the cuBLAS strategy, on any runtime: `deq(W)` at a row stride wider
 /// than K (columns past K untouched), and the widened activation / weight rows (X copied, then
 /// `s·T` or `B`, then the bias column, then zeros), all exact against the host.
@@ -1521,6 +1605,8 @@ macro_rules! suite {
             fn dense_operands() { super::dense_operands::<R, F>(&$device) }
             $(#[$attr])? #[test]
             fn dense_products() { super::dense_products::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn blas_products() { super::blas_products::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_transposed_all_formats() { super::matmul_transposed::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]

@@ -2,7 +2,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::TensorData;
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use qerl_format::QuantizedWeight;
 
 use crate::NnError;
@@ -125,6 +125,34 @@ pub trait QerlBackend: Backend {
         rstd: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
+    /// `C[m, n] = alpha · op(a) · op(b)` for two matrices of one float type, `op` transposing
+    /// `a` where `a_t` (stored `[k, m]`) and `b` where `b_t` (stored `[n, k]`): burn's matmul
+    /// by default. The CubeCL backends run bf16 and f16 on cuBLAS where it loads
+    /// (`qerl_kernels::blas`), since burn's matmul compiles about a dozen candidate kernels for
+    /// every new shape bucket: most of a first training step on a fresh machine.
+    fn dense_matmul(
+        a: FloatTensor<Self>,
+        a_t: bool,
+        b: FloatTensor<Self>,
+        b_t: bool,
+        alpha: f32,
+    ) -> FloatTensor<Self> {
+        burn_dense_matmul::<Self>(a, a_t, b, b_t, alpha)
+    }
+
+    /// The LoRA part of a linear's backward, with `G = dy [M, N]`, `x [M, K]`, `A [r, K]`,
+    /// `B [N, r]` and the scale `s`: `[s·(G·B)·A [M, K], s·(G·B)ᵀ·x [r, K], s·Gᵀ·(x·Aᵀ) [N, r]]`
+    /// (the terms of `dx`, `dA`, `dB`), each only where `want` says. burn's ops by default; the
+    /// CubeCL backends run the five products as one call to cuBLAS where it loads.
+    fn lora_backward(
+        g: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        lora: LoraPrims<Self>,
+        want: [bool; 3],
+    ) -> [Option<FloatTensor<Self>>; 3] {
+        burn_lora_backward::<Self>(g, x, lora, want)
+    }
+
     /// Log-probability of `targets [M]` and entropy of the next-token distribution for final
     /// hidden states `hidden [M, K]` through the output projection `weight [V, K]`, computed
     /// `opts.rows(V)` rows at a time: `[M, 2]` f32 (log p, entropy). See
@@ -138,4 +166,45 @@ pub trait QerlBackend: Backend {
     ) -> FloatTensor<Self> {
         crate::lm_head::forward_prim::<Self>(hidden, weight, targets, opts)
     }
+}
+
+fn t2<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+/// [`QerlBackend::dense_matmul`] with burn's ops.
+pub(crate) fn burn_dense_matmul<B: Backend>(
+    a: FloatTensor<B>,
+    a_t: bool,
+    b: FloatTensor<B>,
+    b_t: bool,
+    alpha: f32,
+) -> FloatTensor<B> {
+    let (a, b) = (t2::<B>(a), t2::<B>(b));
+    let a = if a_t { a.transpose() } else { a };
+    let b = if b_t { b.transpose() } else { b };
+    let c = a.matmul(b);
+    let c = if alpha == 1.0 { c } else { c.mul_scalar(alpha) };
+    c.into_primitive().tensor()
+}
+
+/// [`QerlBackend::lora_backward`] with burn's ops.
+pub(crate) fn burn_lora_backward<B: Backend>(
+    g: FloatTensor<B>,
+    x: FloatTensor<B>,
+    lora: LoraPrims<B>,
+    want: [bool; 3],
+) -> [Option<FloatTensor<B>>; 3] {
+    let [want_dx, want_da, want_db] = want;
+    let (g, x, a, b) = (t2::<B>(g), t2::<B>(x), t2::<B>(lora.a), t2::<B>(lora.b));
+    let scale = lora.scale;
+    // s·G·B [M, r], shared by the dx and dA terms.
+    let gb = (want_dx || want_da).then(|| g.clone().matmul(b).mul_scalar(scale));
+    let dx = want_dx.then(|| gb.clone().unwrap().matmul(a.clone()));
+    let da = want_da.then(|| gb.clone().unwrap().transpose().matmul(x.clone()));
+    let db = want_db.then(|| {
+        let t = x.matmul(a.transpose());
+        g.transpose().matmul(t).mul_scalar(scale)
+    });
+    [dx, da, db].map(|t| t.map(|t| t.into_primitive().tensor()))
 }

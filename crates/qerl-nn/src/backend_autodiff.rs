@@ -73,19 +73,18 @@ impl<B: QerlBackend> Backward<B, 3> for QLinearLoraBackward {
             scale,
         } = ops.state;
         let [px, pa, pb] = ops.parents;
-        let (x, a, b, gt) = (t2::<B>(x), t2::<B>(a), t2::<B>(b), t2::<B>(g.clone()));
-        // G·B [M, r], shared by dx and dA.
-        let gb = gt.clone().matmul(b).mul_scalar(scale);
-        if let Some(node) = px {
-            let dx = t2::<B>(B::qlinear_dx(g, &weight)) + gb.clone().matmul(a.clone());
+        let want = [px.is_some(), pa.is_some(), pb.is_some()];
+        let lora = LoraPrims { a, b, scale };
+        let [dx_lora, da, db] = B::lora_backward(g.clone(), x, lora, want);
+        if let (Some(node), Some(dx_lora)) = (px, dx_lora) {
+            let dx = t2::<B>(B::qlinear_dx(g, &weight)) + t2::<B>(dx_lora);
             grads.register::<B>(node.id, prim(dx));
         }
-        if let Some(node) = pa {
-            grads.register::<B>(node.id, prim(gb.transpose().matmul(x.clone())));
+        if let (Some(node), Some(da)) = (pa, da) {
+            grads.register::<B>(node.id, da);
         }
-        if let Some(node) = pb {
-            let t = x.matmul(a.transpose());
-            grads.register::<B>(node.id, prim(gt.transpose().matmul(t).mul_scalar(scale)));
+        if let (Some(node), Some(db)) = (pb, db) {
+            grads.register::<B>(node.id, db);
         }
     }
 }

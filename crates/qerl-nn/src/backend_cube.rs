@@ -5,12 +5,14 @@ use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::Float;
 use cubecl::zspace::metadata::Metadata;
 use qerl_format::QuantizedWeight;
 use qerl_kernels::attention::{self as fused, AttentionShape};
+use qerl_kernels::blas::{self, DenseProduct};
 use qerl_kernels::{dequant, gemm, rms_norm, upload, DeviceWeight};
 
-use crate::backend::{LoraPrims, QerlBackend, QuantWeight};
+use crate::backend::{burn_dense_matmul, burn_lora_backward, LoraPrims, QerlBackend, QuantWeight};
 use crate::NnError;
 
 impl QuantWeight for DeviceWeight {
@@ -86,6 +88,20 @@ fn attention_shape<R: CubeRuntime>(
         seq,
         head_dim,
         scale,
+    }
+}
+
+/// Runs `products` on cuBLAS when it can take them here; `false` (nothing launched) where it
+/// cannot, or where it failed (said once on stderr), so that the caller falls back to burn's
+/// matmul.
+fn on_blas<R: CubeRuntime, E: Float>(like: &CubeTensor<R>, products: &[DenseProduct<'_>]) -> bool {
+    match blas::products::<R, E>(&like.client, products) {
+        Ok(ran) => ran,
+        Err(e) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| eprintln!("qerl: cuBLAS product failed ({e}); using burn's matmul"));
+            false
+        }
     }
 }
 
@@ -200,6 +216,133 @@ where
             .expect("qlinear shapes");
         });
         y
+    }
+
+    fn dense_matmul(
+        a: CubeTensor<R>,
+        a_t: bool,
+        b: CubeTensor<R>,
+        b_t: bool,
+        alpha: f32,
+    ) -> CubeTensor<R> {
+        let (a, ar, ac) = matrix(a, "dense_matmul a");
+        let (b, br, bc) = matrix(b, "dense_matmul b");
+        let (m, k) = if a_t { (ac, ar) } else { (ar, ac) };
+        let (kb, n) = if b_t { (bc, br) } else { (br, bc) };
+        assert_eq!(
+            k, kb,
+            "dense_matmul: op(a) is [{m}, {k}], op(b) is [{kb}, {n}]"
+        );
+        if a.dtype == b.dtype {
+            let c = empty(&a, Shape::new([m, n]), a.dtype);
+            let product = DenseProduct {
+                a: &a.handle,
+                a_t,
+                b: &b.handle,
+                b_t,
+                c: &c.handle,
+                m,
+                n,
+                k,
+                alpha,
+            };
+            if with_float!(a.dtype, E => on_blas::<R, E>(&a, &[product])) {
+                return c;
+            }
+        }
+        burn_dense_matmul::<Self>(a, a_t, b, b_t, alpha)
+    }
+
+    fn lora_backward(
+        g: CubeTensor<R>,
+        x: CubeTensor<R>,
+        lora: LoraPrims<Self>,
+        want: [bool; 3],
+    ) -> [Option<CubeTensor<R>>; 3] {
+        let (g, m, n) = matrix(g, "LoRA backward dy");
+        let (x, _, k) = matrix(x, "LoRA backward x");
+        let (a, r, _) = matrix(lora.a, "LoRA A");
+        let (b, _, _) = matrix(lora.b, "LoRA B");
+        let s = lora.scale;
+        let dtype = g.dtype;
+        if [&x, &a, &b].iter().all(|t| t.dtype == dtype) {
+            let [want_dx, want_da, want_db] = want;
+            let new = |rows: usize, cols: usize| empty(&g, Shape::new([rows, cols]), dtype);
+            let (gb, dx, da) = (new(m, r), new(m, k), new(r, k));
+            let (t, db) = (new(m, r), new(n, r));
+            let p = |a, a_t, b, b_t, c, (m, n, k), alpha| DenseProduct {
+                a,
+                a_t,
+                b,
+                b_t,
+                c,
+                m,
+                n,
+                k,
+                alpha,
+            };
+            let mut products = Vec::new();
+            if want_dx || want_da {
+                products.push(p(
+                    &g.handle,
+                    false,
+                    &b.handle,
+                    false,
+                    &gb.handle,
+                    (m, r, n),
+                    s,
+                ));
+            }
+            if want_dx {
+                products.push(p(
+                    &gb.handle,
+                    false,
+                    &a.handle,
+                    false,
+                    &dx.handle,
+                    (m, k, r),
+                    1.0,
+                ));
+            }
+            if want_da {
+                products.push(p(
+                    &gb.handle,
+                    true,
+                    &x.handle,
+                    false,
+                    &da.handle,
+                    (r, k, m),
+                    1.0,
+                ));
+            }
+            if want_db {
+                products.push(p(
+                    &x.handle,
+                    false,
+                    &a.handle,
+                    true,
+                    &t.handle,
+                    (m, r, k),
+                    1.0,
+                ));
+                products.push(p(
+                    &g.handle,
+                    true,
+                    &t.handle,
+                    false,
+                    &db.handle,
+                    (n, r, m),
+                    s,
+                ));
+            }
+            if products.is_empty() {
+                return [None, None, None];
+            }
+            if with_float!(dtype, E => on_blas::<R, E>(&g, &products)) {
+                return [(want_dx, dx), (want_da, da), (want_db, db)].map(|(w, t)| w.then_some(t));
+            }
+        }
+        burn_lora_backward::<Self>(g, x, LoraPrims { a, b, scale: s }, want)
     }
 
     fn qlinear_dx(dy: CubeTensor<R>, weight: &DeviceWeight) -> CubeTensor<R> {

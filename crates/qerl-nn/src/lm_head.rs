@@ -160,7 +160,7 @@ pub fn lm_head_log_probs<B: QerlBackend>(
 
 /// The default [`QerlBackend::lm_head_log_probs`]: the chunked forward on any backend (no
 /// graph of its own: under `Autodiff` the override below records the custom backward).
-pub(crate) fn forward_prim<B: Backend>(
+pub(crate) fn forward_prim<B: QerlBackend>(
     hidden: FloatTensor<B>,
     weight: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -190,13 +190,19 @@ fn i1<B: Backend>(p: IntTensor<B>) -> Tensor<B, 1, Int> {
     Tensor::from_primitive(p)
 }
 
+/// `op(a)·op(b)` through [`QerlBackend::dense_matmul`] (cuBLAS on CUDA, no autotuning).
+fn dense<B: QerlBackend>(a: Tensor<B, 2>, a_t: bool, b: Tensor<B, 2>, b_t: bool) -> Tensor<B, 2> {
+    let (a, b) = (a.into_primitive().tensor(), b.into_primitive().tensor());
+    f2(B::dense_matmul(a, a_t, b, b_t, 1.0))
+}
+
 /// `z = h_c·Wᵀ` in the float type, then f32, divided by the temperature: `[rows, V]`.
-fn logits_chunk<B: Backend>(
+fn logits_chunk<B: QerlBackend>(
     h: Tensor<B, 2>,
-    wt: Tensor<B, 2>,
+    w: Tensor<B, 2>,
     opts: &LogProbOptions,
 ) -> Tensor<B, 2> {
-    let z = h.matmul(wt).cast(DType::F32);
+    let z = dense::<B>(h, false, w, true).cast(DType::F32);
     if opts.scaled() {
         z.div_scalar(opts.temperature)
     } else {
@@ -205,7 +211,7 @@ fn logits_chunk<B: Backend>(
 }
 
 /// Chunked forward: `([M, 2] = (log p, entropy), lse [M])`, all f32.
-fn forward<B: Backend>(
+fn forward<B: QerlBackend>(
     h: Tensor<B, 2>,
     w: Tensor<B, 2>,
     y: Tensor<B, 1, Int>,
@@ -213,10 +219,9 @@ fn forward<B: Backend>(
 ) -> (Tensor<B, 2>, Tensor<B, 1>) {
     let [m, k] = h.dims();
     let rows = opts.rows(w.dims()[0]);
-    let wt = w.transpose();
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
     for std::ops::Range { start, end } in chunks(m, rows) {
-        let z = logits_chunk(h.clone().slice([start..end, 0..k]), wt.clone(), opts);
+        let z = logits_chunk(h.clone().slice([start..end, 0..k]), w.clone(), opts);
         let max = z.clone().max_dim(1); // [c, 1]
         let zs = z - max.clone();
         let e = zs.clone().exp();
@@ -239,7 +244,7 @@ fn forward<B: Backend>(
 /// What the backward keeps: the inputs (references to buffers that exist anyway), the
 /// forward's `[M, 2]` result and the `[M]` log-sum-exps.
 #[derive(Clone, Debug)]
-struct LmHeadState<B: Backend> {
+struct LmHeadState<B: QerlBackend> {
     hidden: FloatTensor<B>,
     weight: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -251,7 +256,7 @@ struct LmHeadState<B: Backend> {
 #[derive(Debug)]
 struct LmHeadBackward;
 
-impl<B: Backend> Backward<B, 2> for LmHeadBackward {
+impl<B: QerlBackend> Backward<B, 2> for LmHeadBackward {
     type State = LmHeadState<B>;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -280,7 +285,7 @@ impl<B: Backend> Backward<B, 2> for LmHeadBackward {
 /// The chunked backward: `dh [M, K]` in `h`'s float type and, when `want_dw`, `dW [V, K]` in
 /// `W`'s (accumulated in f32 over the chunks).
 #[allow(clippy::too_many_arguments)]
-fn backward<B: Backend>(
+fn backward<B: QerlBackend>(
     h: Tensor<B, 2>,
     w: Tensor<B, 2>,
     y: Tensor<B, 1, Int>,
@@ -300,12 +305,11 @@ fn backward<B: Backend>(
         1.0
     };
     let rows = opts.rows(v);
-    let wt = w.clone().transpose();
     let mut dhs = Vec::new();
     let mut dw = want_dw.then(|| Tensor::<B, 2>::zeros([v, k], (&w.device(), DType::F32)));
     for std::ops::Range { start, end } in chunks(m, rows) {
         let hc = h.clone().slice([start..end, 0..k]);
-        let z = logits_chunk(hc.clone(), wt.clone(), opts);
+        let z = logits_chunk(hc.clone(), w.clone(), opts);
         let g = grad.clone().slice([start..end, 0..1]); // [c, 1]
         let lse_c = lse.clone().slice(start..end).unsqueeze_dim::<2>(1);
         let coef = if opts.entropy == Entropy::Differentiable {
@@ -321,11 +325,11 @@ fn backward<B: Backend>(
         let dz = (p * coef).mul_scalar(-inv_t).cast(wdt);
         let yc = y.clone().slice(start..end);
         let gy = g.mul_scalar(inv_t); // [c, 1], f32
-        let dh = dz.clone().matmul(w.clone()).cast(hdt)
+        let dh = dense::<B>(dz.clone(), false, w.clone(), false).cast(hdt)
             + (w.clone().select(0, yc.clone()).cast(DType::F32) * gy.clone()).cast(hdt);
         dhs.push(dh);
         if let Some(acc) = dw.take() {
-            let dense = dz.transpose().matmul(hc.clone().cast(wdt)).cast(DType::F32);
+            let dense = dense::<B>(dz, true, hc.clone().cast(wdt), false).cast(DType::F32);
             let picked = hc.cast(DType::F32) * gy;
             dw = Some((acc + dense).select_assign(0, yc, picked, IndexingUpdateOp::Add));
         }
