@@ -5,8 +5,8 @@
 # kernel caches with cubecl's compilation logger at "full" on stderr, timestamps every line,
 # then tools/compile_census.py compiles the logged sources again with NVRTC (all cores, and a
 # serial sample with option variants) and loads each PTX (driver cache off).
-# Env: SHAPE (qwen2.5-7b), STEP_T (seconds allowed for the step, 420), TRAIN_ARGS (extra
-# `qerl bench train` arguments), AUTOTUNE (cubecl autotune level, default: cubecl's),
+# Env: SHAPE (qwen2.5-7b), STEP_T (seconds allowed for the steps, 420), TRAIN_ARGS (the
+# `qerl bench train` arguments after --shape and --precision; default 2 x 4, 128 + 128, 2 steps), AUTOTUNE (cubecl autotune level, default: cubecl's),
 # NVRTC (0: skip compiling the sources again), OUT (where the log, the census and its JSON go).
 set -uo pipefail
 QERL=$(realpath "$1"); WORK=${2:-/tmp/qerl-census}; OUT=${OUT:-/tmp/out}
@@ -25,10 +25,9 @@ export CUDA_CACHE_PATH=$WORK/cache/nv CUDA_CACHE_MAXSIZE=4294967296
 echo "device: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1); $(date -u)"
 cd "$WORK/run"
 # shellcheck disable=SC2206
-extra=(${TRAIN_ARGS:-})
+args=(${TRAIN_ARGS:---prompts 2 --group 4 --prompt-len 128 --completion-len 128 --grad-accum 2 --steps 2})
 timeout "${STEP_T:-420}" "$QERL" bench train --device cuda --shape "${SHAPE:-qwen2.5-7b}" \
-  --precision nvfp4 --prompts 2 --group 4 --prompt-len 128 --completion-len 128 --grad-accum 2 \
-  --steps 2 "${extra[@]}" 2>&1 | python3 -u -c '
+  --precision nvfp4 "${args[@]}" 2>&1 | python3 -u -c '
 import sys, time
 t0 = time.monotonic()
 for line in sys.stdin:
