@@ -4,6 +4,8 @@
 //!   never a parent, so it gets no gradient. With `G = dY`, `T = x·Aᵀ`, `s` the LoRA scale:
 //!   `dx = G·deq(W) + s·(G·B)·A` (the first term through the transposed 4-bit kernel),
 //!   `dA = s·(G·B)ᵀ·x`, `dB = s·Gᵀ·T`.
+//! * `dense_matmul` (`C = α·op(A)·op(B)`): parents `A` and `B`, whose gradients are dense
+//!   products again (cuBLAS on CUDA, so a BF16 model's frozen products are not autotuned).
 //! * `noisy_rms_norm`: parents `x` and `w`; the noise is a constant.
 //! * `causal_attention`: parents `q`, `k`, `v`; the backward recomputes the attention weights
 //!   from the kept log-sum-exps ([`crate::attention`]).
@@ -84,6 +86,53 @@ impl<B: QerlBackend> Backward<B, 3> for QLinearLoraBackward {
             grads.register::<B>(node.id, da);
         }
         if let (Some(node), Some(db)) = (pb, db) {
+            grads.register::<B>(node.id, db);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct DenseMatmulBackward;
+
+/// `C = α·op(A)·op(B)`: the operands (as stored) and how they are read.
+#[derive(Clone, Debug)]
+struct DenseState<B: QerlBackend> {
+    a: Inner<B>,
+    a_t: bool,
+    b: Inner<B>,
+    b_t: bool,
+    alpha: f32,
+}
+
+impl<B: QerlBackend> Backward<B, 2> for DenseMatmulBackward {
+    type State = DenseState<B>;
+
+    /// With `G = dC [m, n]`: `d op(A) = α·G·op(B)ᵀ` and `d op(B) = α·op(A)ᵀ·G`, each transposed
+    /// back where the operand is stored transposed.
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let g = grads.consume::<B>(&ops.node);
+        let DenseState {
+            a,
+            a_t,
+            b,
+            b_t,
+            alpha,
+        } = ops.state;
+        let [pa, pb] = ops.parents;
+        if let Some(node) = pa {
+            let da = if a_t {
+                B::dense_matmul(b.clone(), b_t, g.clone(), true, alpha) // op(B)·Gᵀ [k, m]
+            } else {
+                B::dense_matmul(g.clone(), false, b, !b_t, alpha) // G·op(B)ᵀ [m, k]
+            };
+            grads.register::<B>(node.id, da);
+        }
+        if let Some(node) = pb {
+            let db = if b_t {
+                B::dense_matmul(g, true, a, a_t, alpha) // Gᵀ·op(A) [n, k]
+            } else {
+                B::dense_matmul(a, !a_t, g, false, alpha) // op(A)ᵀ·G [k, n]
+            };
             grads.register::<B>(node.id, db);
         }
     }
@@ -193,6 +242,37 @@ impl<B: QerlBackend, C: CheckpointStrategy> QerlBackend for Ad<B, C> {
                         prep.finish(run(x.primitive, l.a.primitive, l.b.primitive))
                     }
                 }
+            }
+        }
+    }
+
+    fn dense_matmul(
+        a: FloatTensor<Self>,
+        a_t: bool,
+        b: FloatTensor<Self>,
+        b_t: bool,
+        alpha: f32,
+    ) -> FloatTensor<Self> {
+        match DenseMatmulBackward
+            .prepare::<C>([a.node.clone(), b.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = DenseState::<B> {
+                    a: a.primitive.clone(),
+                    a_t,
+                    b: b.primitive.clone(),
+                    b_t,
+                    alpha,
+                };
+                prep.finish(
+                    state,
+                    B::dense_matmul(a.primitive, a_t, b.primitive, b_t, alpha),
+                )
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::dense_matmul(a.primitive, a_t, b.primitive, b_t, alpha))
             }
         }
     }

@@ -309,13 +309,20 @@ impl<B: QerlBackend> Nvfp4Linear<B> {
                     .as_ref()
                     .expect("dense or quantized weight")
                     .val();
-                let mut y = x2.clone().matmul(w.transpose());
+                // Dense products through the backend (cuBLAS on CUDA: burn's matmul would tune
+                // a dozen candidate kernels for every new shape).
+                let mm = |x: Tensor<B, 2>, w: Tensor<B, 2>, alpha: f32| -> Tensor<B, 2> {
+                    let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
+                    Tensor::from_primitive(TensorPrimitive::Float(B::dense_matmul(
+                        x, false, w, true, alpha,
+                    )))
+                };
+                let mut y = mm(x2.clone(), w, 1.0);
                 if let Some(b) = &self.bias {
                     y = y + b.val().unsqueeze_dim(0);
                 }
                 if let Some((a, b, scale)) = lora {
-                    let update = x2.matmul(a.transpose()).matmul(b.transpose());
-                    y = y + update.mul_scalar(scale);
+                    y = y + mm(mm(x2, a, 1.0), b, scale);
                 }
                 y
             }

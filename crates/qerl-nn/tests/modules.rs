@@ -227,6 +227,69 @@ fn cuda_norm_gradients_match_reference() {
     norm_grads::<Autodiff<qerl_nn::backends::Cuda>>(&Default::default(), 2e-2);
 }
 
+/// [`QerlBackend::dense_matmul`] under autodiff, every transpose combination with a scale: the
+/// product and both gradients against burn's own matmul and its autodiff.
+fn dense_matmul_grads<B>(device: &B::Device, tol: f64)
+where
+    B: AutodiffBackend + QerlBackend,
+{
+    use burn::tensor::{Tensor, TensorPrimitive};
+    let (m, n, k, alpha) = (5, 7, 12, 0.5f32);
+    let s = seed();
+    for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+        let a_dims = if a_t { [k, m] } else { [m, k] };
+        let b_dims = if b_t { [n, k] } else { [k, n] };
+        let a0 = tensor::<B, 2>(normal(s, m * k, 1.0), a_dims, device);
+        let b0 = tensor::<B, 2>(normal(s + 1, k * n, 1.0), b_dims, device);
+        let g = tensor::<B, 2>(normal(s + 2, m * n, 1.0), [m, n], device);
+        let (a, b) = (a0.clone().require_grad(), b0.clone().require_grad());
+        let c = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::dense_matmul(
+            a.clone().into_primitive().tensor(),
+            a_t,
+            b.clone().into_primitive().tensor(),
+            b_t,
+            alpha,
+        )));
+        let grads = (c.clone() * g.clone()).sum().backward();
+        let (ra, rb) = (a0.require_grad(), b0.require_grad());
+        let op = |t: Tensor<B, 2>, tr: bool| if tr { t.transpose() } else { t };
+        let rc = op(ra.clone(), a_t)
+            .matmul(op(rb.clone(), b_t))
+            .mul_scalar(alpha);
+        let rgrads = (rc.clone() * g).sum().backward();
+        let what = format!("dense_matmul a_t={a_t} b_t={b_t}, seed {s}");
+        assert!(rel_err(c, rc) < tol, "{what}: C");
+        let ga = a.grad(&grads).unwrap();
+        let rga = ra.grad(&rgrads).unwrap();
+        assert!(rel_err(ga, rga) < tol, "{what}: dA");
+        let gb = b.grad(&grads).unwrap();
+        let rgb = rb.grad(&rgrads).unwrap();
+        assert!(rel_err(gb, rgb) < tol, "{what}: dB");
+    }
+}
+
+#[test]
+fn cpu_dense_matmul_gradients_match_burn() {
+    dense_matmul_grads::<Autodiff<qerl_nn::backends::Cpu>>(&Default::default(), 1e-5);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_dense_matmul_gradients_match_burn() {
+    dense_matmul_grads::<Autodiff<qerl_nn::backends::Wgpu>>(
+        &qerl_nn::backends::wgpu_device_or_exit(),
+        1e-4,
+    );
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features qerl-train/cuda -- --ignored cuda"]
+fn cuda_dense_matmul_gradients_match_burn() {
+    // cuBLAS against burn's matmul, both bf16 in and out.
+    dense_matmul_grads::<Autodiff<qerl_nn::backends::Cuda>>(&Default::default(), 2e-2);
+}
+
 #[test]
 fn unknown_precision_and_bad_shapes_are_named() {
     let e = "int3".parse::<Precision>().unwrap_err().to_string();
