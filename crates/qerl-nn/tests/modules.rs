@@ -228,21 +228,28 @@ fn cuda_norm_gradients_match_reference() {
 }
 
 /// [`QerlBackend::dense_matmul`] under autodiff, every transpose combination with a scale: the
-/// product and both gradients against burn's own matmul and its autodiff.
+/// product and both gradients against burn's matmul and its autodiff on the CPU in f32 (a
+/// reference that compiles nothing on the GPU).
 fn dense_matmul_grads<B>(device: &B::Device, tol: f64)
 where
     B: AutodiffBackend + QerlBackend,
 {
     use burn::tensor::{Tensor, TensorPrimitive};
+    type C = Autodiff<qerl_nn::backends::Cpu>;
+    let cpu = Default::default();
     let (m, n, k, alpha) = (5, 7, 12, 0.5f32);
     let s = seed();
     for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
         let a_dims = if a_t { [k, m] } else { [m, k] };
         let b_dims = if b_t { [n, k] } else { [k, n] };
-        let a0 = tensor::<B, 2>(normal(s, m * k, 1.0), a_dims, device);
-        let b0 = tensor::<B, 2>(normal(s + 1, k * n, 1.0), b_dims, device);
-        let g = tensor::<B, 2>(normal(s + 2, m * n, 1.0), [m, n], device);
-        let (a, b) = (a0.clone().require_grad(), b0.clone().require_grad());
+        let (av, bv, gv) = (
+            normal(s, m * k, 1.0),
+            normal(s + 1, k * n, 1.0),
+            normal(s + 2, m * n, 1.0),
+        );
+        let a = tensor::<B, 2>(av.clone(), a_dims, device).require_grad();
+        let b = tensor::<B, 2>(bv.clone(), b_dims, device).require_grad();
+        let g = tensor::<B, 2>(gv.clone(), [m, n], device);
         let c = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::dense_matmul(
             a.clone().into_primitive().tensor(),
             a_t,
@@ -250,21 +257,33 @@ where
             b_t,
             alpha,
         )));
-        let grads = (c.clone() * g.clone()).sum().backward();
-        let (ra, rb) = (a0.require_grad(), b0.require_grad());
-        let op = |t: Tensor<B, 2>, tr: bool| if tr { t.transpose() } else { t };
+        let grads = (c.clone() * g).sum().backward();
+        let ra = tensor::<C, 2>(av, a_dims, &cpu).require_grad();
+        let rb = tensor::<C, 2>(bv, b_dims, &cpu).require_grad();
+        let rg = tensor::<C, 2>(gv, [m, n], &cpu);
+        let op = |t: Tensor<C, 2>, tr: bool| if tr { t.transpose() } else { t };
         let rc = op(ra.clone(), a_t)
             .matmul(op(rb.clone(), b_t))
             .mul_scalar(alpha);
-        let rgrads = (rc.clone() * g).sum().backward();
+        let rgrads = (rc.clone() * rg).sum().backward();
         let what = format!("dense_matmul a_t={a_t} b_t={b_t}, seed {s}");
-        assert!(rel_err(c, rc) < tol, "{what}: C");
-        let ga = a.grad(&grads).unwrap();
-        let rga = ra.grad(&rgrads).unwrap();
-        assert!(rel_err(ga, rga) < tol, "{what}: dA");
-        let gb = b.grad(&grads).unwrap();
-        let rgb = rb.grad(&rgrads).unwrap();
-        assert!(rel_err(gb, rgb) < tol, "{what}: dB");
+        let host = |t: Vec<f32>, d: [usize; 2]| tensor::<C, 2>(t, d, &cpu);
+        let inner = |t: Vec<f32>, d: [usize; 2]| tensor::<qerl_nn::backends::Cpu, 2>(t, d, &cpu);
+        let back = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
+        assert!(
+            rel_err(host(back(c.into_data()), [m, n]), rc) < tol,
+            "{what}: C"
+        );
+        let ga = back(a.grad(&grads).unwrap().into_data());
+        assert!(
+            rel_err(inner(ga, a_dims), ra.grad(&rgrads).unwrap()) < tol,
+            "{what}: dA"
+        );
+        let gb = back(b.grad(&grads).unwrap().into_data());
+        assert!(
+            rel_err(inner(gb, b_dims), rb.grad(&rgrads).unwrap()) < tol,
+            "{what}: dB"
+        );
     }
 }
 
