@@ -129,26 +129,13 @@ mod tests {
             let op_a = |i: usize, l: usize| if a_t { a[l * m + i] } else { a[i * k + l] };
             let op_b = |l: usize, j: usize| if b_t { b[j * k + l] } else { b[l * n + j] };
             let s = blas_shape(m, n, k, a_t, b_t);
-            // BLAS: C_cm[i', j'] = sum_l opA'(i', l) · opB'(l, j'), column-major, A' = B, B' = A.
-            let at = |i: usize, l: usize| {
-                if s.trans_a {
-                    b[i * s.lda + l]
-                } else {
-                    b[l * s.lda + i]
-                }
-            };
-            let bt = |l: usize, j: usize| {
-                if s.trans_b {
-                    a[l * s.ldb + j]
-                } else {
-                    a[j * s.ldb + l]
-                }
-            };
+            // The column-major GEMM's A is the row-major B, and its B the row-major A.
+            let c = crate::dense::tests::blas(&s, &b, &a);
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k).map(|l| op_a(i, l) * op_b(l, j)).sum();
-                    // Row-major C[i, j] is column-major C_cm[j, i] at j + i·ldc.
-                    let got: f64 = (0..k).map(|l| at(j, l) * bt(l, i)).sum();
+                    // Row-major C[i, j] is column-major C_cm[j, i], at j + i·ldc.
+                    let got = c[j + i * s.ldc];
                     assert!(
                         (want - got).abs() < 1e-12,
                         "a_t {a_t} b_t {b_t} at ({i}, {j})"

@@ -327,11 +327,11 @@ pub fn widen<R: Runtime, F: Float, E: Float>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::BlasShape;
 
     /// BLAS's definition: column-major, `op(X)[i, j]` = `X[j, i]` when transposed.
-    fn blas(s: &BlasShape, a: &[f64], b: &[f64]) -> Vec<f64> {
+    pub(crate) fn blas(s: &BlasShape, a: &[f64], b: &[f64]) -> Vec<f64> {
         let at = |i: usize, l: usize| {
             if s.trans_a {
                 a[i * s.lda + l]
