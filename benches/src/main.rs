@@ -39,7 +39,9 @@ struct Args {
     /// (nvfp4); `tc` times matmul at 8 < M <= 16 on the tensor-core path instead of the decode
     /// kernel; `strategies` times matmul, dX and LoRA (rank 16) at M > 16 (nvfp4) with each
     /// strategy alone (`@tc`: tensor-core kernel, tiles by cube count; `@cublas`: dequantize +
-    /// cuBLAS), beside the rows `matmul`, `dx`, `lora16` of `--strategy`.
+    /// cuBLAS; `@cublas-host`: the same ordered through the host, `QERL_CUBLAS_ORDER=host`),
+    /// and its parts: `dense@cublas` (cuBLAS on an already decoded weight) and `dequant_rows`
+    /// (the decode into it), beside the rows `matmul`, `dx`, `lora16` of `--strategy`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -51,6 +53,9 @@ struct Args {
     /// is written under target/autotune), tc (tensor-core kernel, tiles by cube count), cublas.
     #[arg(long, default_value = "tuned", value_parser = ["tuned", "tc", "cublas"])]
     strategy: String,
+    /// Decode pieces `strategies` also times dequantize + cuBLAS with (`@cublas-p<n>`).
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    pieces: Vec<usize>,
     /// Rows at which `old` times the tiled kernel.
     #[arg(long, value_delimiter = ',', default_value = "16,256,1024")]
     old_m: Vec<usize>,
@@ -128,16 +133,9 @@ fn lora_product<R: Runtime>(
     gemm::matmul::<R, F>(c, x, m, w, None, Some(l), y).unwrap();
 }
 
-/// The row name of a product timed with one strategy alone.
+/// The row name of a product timed with one strategy alone (`matmul@cublas-p4`).
 fn strategy_row(product: &str, strategy: &str) -> &'static str {
-    match (product, strategy) {
-        ("matmul", "tc") => "matmul@tc",
-        ("matmul", _) => "matmul@cublas",
-        ("dx", "tc") => "dx@tc",
-        ("dx", _) => "dx@cublas",
-        (_, "tc") => "lora16@tc",
-        _ => "lora16@cublas",
-    }
+    Box::leak(format!("{product}@{strategy}").into_boxed_str())
 }
 
 /// Median device time of one launch of `f` (the first call, which may tune, is not timed).
@@ -288,9 +286,17 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                     }
                     if want("strategies") && format == QuantFormat::Nvfp4 && m > 16 {
                         let tuned_or_default = gemm::strategy()?;
-                        let mut strategies = vec![(gemm::Strategy::TensorCores, "tc")];
-                        if gemm::cublas_usable::<R, F>(&c) {
-                            strategies.push((gemm::Strategy::Cublas, "cublas"));
+                        let ordering = qerl_kernels::blas::device_ordering()?;
+                        // (strategy, row suffix, cuBLAS ordered on the device, decode pieces)
+                        let mut strategies = vec![(gemm::Strategy::TensorCores, "tc", true, 1)];
+                        let cublas = gemm::cublas_usable::<R, F>(&c);
+                        if cublas {
+                            strategies.push((gemm::Strategy::Cublas, "cublas", true, 1));
+                            for &p in &args.pieces {
+                                let name = Box::leak(format!("cublas-p{p}").into_boxed_str());
+                                strategies.push((gemm::Strategy::Cublas, name, true, p));
+                            }
+                            strategies.push((gemm::Strategy::Cublas, "cublas-host", false, 1));
                         }
                         let dy = random_activations(&c, m * n, &mut rng);
                         let dx = c.empty(m * k * 2);
@@ -298,8 +304,10 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                         let a = random_activations(&c, rank * k, &mut rng);
                         let b = random_activations(&c, n * rank, &mut rng);
                         let t = c.empty(m * rank * 4);
-                        for (strategy, name) in strategies {
+                        for (strategy, name, on_device, pieces) in strategies {
                             gemm::set_strategy(strategy);
+                            qerl_kernels::blas::set_device_ordering(on_device);
+                            qerl_kernels::blas::set_decode_pieces(Some(pieces));
                             let s = time(&c, iters, reps, || {
                                 gemm::matmul::<R, F>(&c, &x, m, &w, None, None, &y).unwrap()
                             })?;
@@ -312,6 +320,32 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                                 lora_product(&c, (&x, m, k), &w, (&a, &b, &t, rank), &y);
                             })?;
                             push(strategy_row("lora16", name), m, s, weight_bytes + io, flops);
+                        }
+                        qerl_kernels::blas::set_device_ordering(ordering);
+                        qerl_kernels::blas::set_decode_pieces(None);
+                        if cublas {
+                            // The two halves of `@cublas`: the decode, and cuBLAS on its output.
+                            let dense = c.empty(n * k * 2);
+                            let s = time(&c, iters, reps, || {
+                                qerl_kernels::dense::dequantize_rows::<R, F>(&c, &w, &dense, k)
+                                    .unwrap()
+                            })?;
+                            push("dequant_rows", m, s, weight_bytes + (n * k * 2) as f64, 0.0);
+                            let product = qerl_kernels::blas::DenseProduct {
+                                a: &x,
+                                a_t: false,
+                                b: &dense,
+                                b_t: true,
+                                c: &y,
+                                m,
+                                n,
+                                k,
+                                alpha: 1.0,
+                            };
+                            let s = time(&c, iters, reps, || {
+                                qerl_kernels::blas::products::<R, F>(&c, &[product]).unwrap();
+                            })?;
+                            push("dense@cublas", m, s, (2 * n * k) as f64 + io, flops);
                         }
                         gemm::set_strategy(tuned_or_default);
                     }

@@ -4,17 +4,95 @@
 //! Why: burn's matmul tunes every new shape bucket by compiling and timing about a dozen
 //! candidate kernels. On an H100 (2026-11-27, `tools/device_compile_census.sh`, a 7B-shaped
 //! NVFP4 GRPO step on empty caches) that was 156 of the 346 kernels the first step compiled and
-//! 284 of its 345 seconds. cuBLAS compiles nothing. It costs a host round trip per call,
-//! because cubecl does not expose its stream (see [`crate::cublas`]), so a caller with several
-//! products to run should pass them in one call.
+//! 284 of its 345 seconds. cuBLAS compiles nothing.
+//!
+//! cubecl does not expose its stream, so cuBLAS runs on a stream of its own, ordered against
+//! cubecl's ([`device_ordering`]): by default on the device, through two flags in device memory
+//! and a one-unit wait kernel on cubecl's side, with no host round trip; with
+//! `QERL_CUBLAS_ORDER=host` (the first way, kept to measure against) through the host, which
+//! waits for cubecl's stream, then for the GEMMs, on every call. Either way a caller with
+//! several products should pass them in one call.
 //!
 //! [`products`] returns `Ok(false)`, launching nothing, where cuBLAS cannot run them (not CUDA,
 //! f32, libcublas missing). The caller then falls back to its own path.
+
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use crate::device::{check_buffer, shape_err, KernelError};
+
+/// The environment variable that picks how cuBLAS is ordered against cubecl: `device` (the
+/// default) or `host`.
+pub const ORDER_ENV: &str = "QERL_CUBLAS_ORDER";
+
+static ORDER: AtomicU8 = AtomicU8::new(u8::MAX);
+
+/// Whether cuBLAS products are ordered against cubecl's stream on the device (flags in device
+/// memory, no host round trip) rather than through the host: the last
+/// [`set_device_ordering`], else [`ORDER_ENV`] (empty: `device`); any other value is an error
+/// that names the variable.
+pub fn device_ordering() -> Result<bool, KernelError> {
+    Ok(match ORDER.load(Ordering::Relaxed) {
+        0 => false,
+        1 => true,
+        _ => {
+            let on = match std::env::var(ORDER_ENV).unwrap_or_default().as_str() {
+                "" | "device" => true,
+                "host" => false,
+                other => {
+                    return Err(KernelError::Vendor {
+                        what: format!("{ORDER_ENV}={other:?}: expected `device` or `host`"),
+                    })
+                }
+            };
+            set_device_ordering(on);
+            on
+        }
+    })
+}
+
+/// Sets [`device_ordering`] for every later product of this process (benchmarks time both).
+pub fn set_device_ordering(on: bool) {
+    ORDER.store(u8::from(on), Ordering::Relaxed);
+}
+
+/// The environment variable that fixes the number of pieces the cuBLAS strategy decodes a
+/// weight in ([`decode_pieces`]).
+pub const PIECES_ENV: &str = "QERL_CUBLAS_PIECES";
+
+static PIECES: AtomicUsize = AtomicUsize::new(0);
+
+/// Pieces the dequantize + cuBLAS strategy decodes a 4-bit weight in, for a product with
+/// `rows` activation rows, `outputs` output columns split across the pieces and `depth` summed
+/// over: ordered on the device, the GEMM of one piece runs while the next decodes. The last
+/// [`set_decode_pieces`], else [`PIECES_ENV`], else 1.
+pub fn decode_pieces(rows: usize, outputs: usize, depth: usize) -> usize {
+    let _ = (rows, outputs, depth);
+    let fixed = match PIECES.load(Ordering::Relaxed) {
+        0 => {
+            let v = std::env::var(PIECES_ENV)
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(1)
+                .max(1);
+            PIECES.store(v, Ordering::Relaxed);
+            v
+        }
+        v => v,
+    };
+    if device_ordering().unwrap_or(false) {
+        fixed
+    } else {
+        1
+    }
+}
+
+/// Sets [`decode_pieces`] for every later product (`None`: back to the default).
+pub fn set_decode_pieces(pieces: Option<usize>) {
+    PIECES.store(pieces.map_or(0, |p| p.max(1)), Ordering::Relaxed);
+}
 
 /// `C[m, n] = alpha · op(A) · op(B)` for row-major matrices of one float type: `op(A)` is
 /// `[m, k]` (`A` is stored `[k, m]` when `a_t`), `op(B)` is `[k, n]` (`B` stored `[n, k]` when
@@ -38,7 +116,7 @@ pub fn available<R: Runtime, F: Float>(client: &ComputeClient<R>) -> bool {
 }
 
 /// Runs `products` in order (a later one may read an earlier one's `C`), after everything
-/// queued on `client` so far; returns when they are done. `Ok(false)` where cuBLAS cannot run
+/// queued on `client` so far; every cubecl kernel queued after it sees their results. `Ok(false)` where cuBLAS cannot run
 /// products of `F` here (nothing launched).
 pub fn products<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -75,15 +153,9 @@ fn run<R: Runtime, F: Float>(
     let gemms: Vec<Gemm<'_>> = products
         .iter()
         .map(|p| Gemm {
-            shape: blas_shape(p.m, p.n, p.k, p.a_t, p.b_t),
-            // Column-major, C stored row-major [m, n] is Cᵀ [n, m]: Cᵀ = op(B)ᵀ · op(A)ᵀ.
-            a: p.b,
-            b: p.a,
-            c: p.c,
-            ab_type: ty,
-            c_type: ty,
             alpha: p.alpha,
-            beta: 0.0,
+            // Column-major, C stored row-major [m, n] is Cᵀ [n, m]: Cᵀ = op(B)ᵀ · op(A)ᵀ.
+            ..Gemm::new(blas_shape(p.m, p.n, p.k, p.a_t, p.b_t), (p.b, p.a, p.c)).types(ty, ty)
         })
         .collect();
     crate::cublas::run(client, &gemms)
@@ -101,6 +173,7 @@ fn run<R: Runtime, F: Float>(
 /// A row-major `[r, c]` matrix read column-major is its transpose `[c, r]` with leading
 /// dimension `c`: `B` stored `[k, n]` is already `op(B)ᵀ` (no transpose, ld `n`); stored
 /// `[n, k]` it needs one (ld `k`). Likewise `A` with `m`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn blas_shape(m: usize, n: usize, k: usize, a_t: bool, b_t: bool) -> crate::dense::BlasShape {
     crate::dense::BlasShape {
         trans_a: b_t,

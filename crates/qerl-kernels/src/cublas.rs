@@ -6,18 +6,23 @@
 //! product to cuBLAS wins. libcublas is loaded at run time (cudarc's dynamic loading, the same
 //! way cubecl-cuda loads the driver and NVRTC); without it this path reports itself unavailable.
 //!
-//! cubecl does not expose its CUDA stream, so the two sides are ordered through the host, in
-//! this order ([`run`]):
+//! cubecl does not expose its CUDA stream, so cuBLAS runs on a stream of its own, and [`run`]
+//! orders the two sides:
 //! 1. take every buffer's device pointer (`get_resource`), which holds its memory and, for a
 //!    buffer last used on another cubecl stream (another host thread's `StreamId`), queues a wait
 //!    for that stream on the caller's;
-//! 2. wait for the caller's cubecl stream, which now covers those waits too (a sync taken
-//!    before step 1, as this module first did, left another thread's producer unwaited);
+//! 2. make the GEMMs wait for the caller's cubecl stream, which now covers those waits too;
 //! 3. run the GEMMs on our stream (same primary context, same device memory) under the
-//!    device's lock (one cuBLAS handle and stream serve every thread) and wait for them, also
-//!    when a launch fails, before any pointer is released to cubecl's pool.
+//!    device's lock (one cuBLAS handle and stream serve every thread), and make every later
+//!    cubecl kernel wait for them before any pointer is released to cubecl's pool.
 //!
-//! The autotuner times these syncs as part of the strategy, so it is picked only where it still
+//! By default steps 2 and 3 wait on the device ([`crate::stream_order`]: a flag cubecl's stream
+//! sets and cuBLAS's stream waits for, then a flag cuBLAS's stream sets and a one-unit kernel on
+//! cubecl's stream waits for), so the host never blocks and the GPU never idles between the two
+//! sides. With `QERL_CUBLAS_ORDER=host`, or if the driver refuses the stream wait, both waits
+//! are on the host: sync cubecl's stream, launch, synchronize ours.
+//!
+//! The autotuner times these waits as part of the strategy, so it is picked only where it still
 //! wins.
 
 use std::any::{Any, TypeId};
@@ -85,6 +90,36 @@ pub(crate) struct Gemm<'a> {
     pub c_type: sys::cudaDataType,
     pub alpha: f32,
     pub beta: f32,
+    /// Where `A` and `C` start in their buffers, in elements (a piece of a bigger product).
+    pub a_offset: usize,
+    pub c_offset: usize,
+    /// The stage of the caller's cubecl work (see [`run_staged`]) this GEMM needs finished.
+    pub stage: usize,
+}
+
+impl<'a> Gemm<'a> {
+    /// A whole product of `A` and `B` into `C`, needing everything queued before it.
+    pub(crate) fn new(shape: BlasShape, (a, b, c): (&'a Handle, &'a Handle, &'a Handle)) -> Self {
+        Gemm {
+            shape,
+            a,
+            b,
+            c,
+            ab_type: sys::cudaDataType::CUDA_R_16BF,
+            c_type: sys::cudaDataType::CUDA_R_16BF,
+            alpha: 1.0,
+            beta: 0.0,
+            a_offset: 0,
+            c_offset: 0,
+            stage: 0,
+        }
+    }
+
+    /// The element types: `ab` for `A` and `B`, `c` for `C`.
+    pub(crate) fn types(mut self, ab: sys::cudaDataType, c: sys::cudaDataType) -> Self {
+        (self.ab_type, self.c_type) = (ab, c);
+        self
+    }
 }
 
 /// cuBLAS on one device. The handle and its stream are shared by every host thread (and by the
@@ -129,13 +164,29 @@ fn elem_bytes(t: sys::cudaDataType) -> usize {
 }
 
 /// Runs `gemms` in order after everything queued on `client` so far (on any cubecl stream, for
-/// the buffers they touch); returns when they are done. See the module doc for the order.
+/// the buffers they touch); every cubecl kernel queued after it sees their results. See the
+/// module doc for the order.
 pub(crate) fn run<R: Runtime>(
     client: &ComputeClient<R>,
     gemms: &[Gemm<'_>],
 ) -> Result<(), KernelError> {
+    run_staged(client, gemms, 0, &mut |_| Ok(()))
+}
+
+/// [`run`] with the GEMMs' inputs still to be made: `produce(i)` queues stage `i` of `stages`
+/// on cubecl's stream (stage 0 after everything queued so far), and a GEMM waits only for the
+/// stages up to its own [`Gemm::stage`]. Ordered on the device, a GEMM then runs while cubecl
+/// makes the next stage's input (the decode of the next rows of a weight); ordered through the
+/// host, every stage is made first. `stages = 0`: nothing to make, as [`run`].
+pub(crate) fn run_staged<R: Runtime>(
+    client: &ComputeClient<R>,
+    gemms: &[Gemm<'_>],
+    stages: usize,
+    produce: &mut dyn FnMut(usize) -> Result<(), KernelError>,
+) -> Result<(), KernelError> {
     let client = cuda_client(client).ok_or_else(|| err("cuBLAS needs the CUDA runtime"))?;
     // 1. Pointers, each with the guard that keeps its memory out of the pool until we are done.
+    // (A buffer a stage writes is only held here; it is written on the device later, in order.)
     let mut held = Vec::new();
     let mut ptr = |h: &Handle, need: usize, what: &str| -> Result<u64, KernelError> {
         let r = client
@@ -155,17 +206,21 @@ pub(crate) fn run<R: Runtime>(
     let mut launches = Vec::with_capacity(gemms.len());
     for g in gemms {
         let (ea, eb, ec) = g.shape.extents();
-        let ab = elem_bytes(g.ab_type);
-        let a = ptr(g.a, ea * ab, "A")?;
+        let (ab, cb) = (elem_bytes(g.ab_type), elem_bytes(g.c_type));
+        let a = ptr(g.a, (g.a_offset + ea) * ab, "A")? + (g.a_offset * ab) as u64;
         let b = ptr(g.b, eb * ab, "B")?;
-        let c = ptr(g.c, ec * elem_bytes(g.c_type), "C")?;
+        let c = ptr(g.c, (g.c_offset + ec) * cb, "C")? + (g.c_offset * cb) as u64;
+        if stages > 0 && g.stage >= stages {
+            return Err(err(format!("a GEMM needs stage {} of {stages}", g.stage)));
+        }
         launches.push((a, b, c));
     }
     let Some(&(first, _, _)) = launches.first() else {
+        for stage in 0..stages {
+            produce(stage)?;
+        }
         return Ok(());
     };
-    // 2. Everything that writes or last read these buffers has finished on the device.
-    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
     let mut ordinal: i32 = 0;
     // SAFETY: `first` is a live device allocation of cubecl's (held above); the attribute is an int.
     unsafe {
@@ -178,13 +233,41 @@ pub(crate) fn run<R: Runtime>(
         .map_err(|e| err(format!("device of a buffer: {e:?}")))?;
     }
     let dev = device_blas(ordinal as usize)?;
+    let mut produced = 0;
+    if crate::blas::device_ordering()? {
+        let mut crossing = crate::stream_order::begin(client, ordinal as usize)?;
+        // 2a. The stages, each followed by its signal (one signal when there is nothing to make).
+        let mut ready = Vec::with_capacity(stages.max(1));
+        for stage in 0..stages {
+            produce(stage)?;
+            ready.push(crossing.signal(client)?);
+        }
+        produced = stages;
+        if stages == 0 {
+            ready.push(crossing.signal(client)?);
+        }
+        match run_device_ordered(client, &dev, crossing, &ready, gemms, &launches) {
+            Ordered::Done(result) => return result,
+            Ordered::Unavailable(why) => {
+                crate::blas::set_device_ordering(false);
+                eprintln!(
+                    "qerl: cuBLAS ordered on the device failed ({why}); ordering it through the host from now on"
+                );
+            }
+        }
+    }
+    for stage in produced..stages {
+        produce(stage)?;
+    }
+    // 2. Everything that writes or last read these buffers has finished on the device.
+    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
     dev.ctx
         .bind_to_thread()
         .map_err(|e| err(format!("CUDA context: {e:?}")))?;
     // 3. No cubecl call from here on: the device thread may need this lock (a tuning pass runs
     // the cuBLAS candidate there).
     let blas = dev.blas.lock().map_err(|_| err("cuBLAS handle poisoned"))?;
-    let launched = launch_all(&blas, gemms, &launches);
+    let launched = launch_all(&blas, gemms, &launches, &mut |_| Ok(()));
     let waited = dev
         .stream
         .synchronize()
@@ -195,6 +278,100 @@ pub(crate) fn run<R: Runtime>(
     launched.and(waited)
 }
 
+/// What [`run_device_ordered`] did.
+enum Ordered {
+    /// The GEMMs ran (or failed) ordered on the device; nothing of theirs is left to wait for
+    /// on the host.
+    Done(Result<(), KernelError>),
+    /// The foreign stream could not be made to wait; no GEMM was launched.
+    Unavailable(String),
+}
+
+/// Steps 2-3 without a host round trip ([`crate::stream_order`]): before each GEMM, cuBLAS's
+/// stream waits on the device for the signal of the stage it needs (`ready[stage]`), and
+/// cubecl's stream waits on the device for the last GEMM. The caller's buffer guards may be
+/// released as soon as this returns: every later cubecl kernel, a reuse of their memory
+/// included, is queued behind the wait.
+fn run_device_ordered(
+    client: &ComputeClient<CudaRuntime>,
+    dev: &DeviceBlas,
+    crossing: crate::stream_order::Crossing,
+    ready: &[u32],
+    gemms: &[Gemm<'_>],
+    launches: &[(u64, u64, u64)],
+) -> Ordered {
+    use cudarc::driver::sys::{
+        cuStreamWaitValue32_v2, cuStreamWriteValue32_v2, CUstreamWaitValue_flags,
+        CUstreamWriteValue_flags,
+    };
+    let (ready_ptr, done_ptr) = match crossing.pointers(client) {
+        Ok(p) => p,
+        Err(e) => return Ordered::Unavailable(e.to_string()),
+    };
+    let Some(done) = crossing.done_value() else {
+        return Ordered::Unavailable("no signal".into());
+    };
+    if let Err(e) = dev.ctx.bind_to_thread() {
+        return Ordered::Unavailable(format!("CUDA context: {e:?}"));
+    }
+    let blas = match dev.blas.lock() {
+        Ok(b) => b,
+        Err(_) => return Ordered::Done(Err(err("cuBLAS handle poisoned"))),
+    };
+    let stream = dev.stream.cu_stream();
+    // Before GEMM `i`: wait for its stage's signal, unless an earlier wait already covers it.
+    let mut waited_for: Option<usize> = None;
+    let mut wait = |i: usize| -> Result<(), KernelError> {
+        let stage = gemms[i].stage.min(ready.len() - 1);
+        if waited_for.is_some_and(|w| w >= stage) {
+            return Ok(());
+        }
+        // SAFETY: `ready` is a live u32 of cubecl's on this device; the signal that sets it
+        // has been launched on the GPU (`Crossing::pointers`).
+        unsafe {
+            cuStreamWaitValue32_v2(
+                stream,
+                ready_ptr,
+                ready[stage],
+                CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        }
+        .result()
+        .map_err(|e| err(format!("cuStreamWaitValue32: {e:?}")))?;
+        waited_for = Some(stage);
+        Ok(())
+    };
+    // The first wait tells whether the driver takes stream waits at all.
+    if let Err(e) = wait(0) {
+        return Ordered::Unavailable(e.to_string());
+    }
+    let launched = launch_all(&blas, gemms, launches, &mut wait);
+    // SAFETY: `done` is a live u32 of cubecl's on this device. The default flag fences the
+    // GEMMs' writes before this one.
+    let written = unsafe {
+        cuStreamWriteValue32_v2(
+            stream,
+            done_ptr,
+            done,
+            CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+        )
+    }
+    .result()
+    .map_err(|e| err(format!("cuStreamWriteValue32: {e:?}")));
+    if launched.is_err() || written.is_err() {
+        // No wait is queued on cubecl's side: finish what was queued here before returning
+        // (every signal it may wait for has been launched).
+        let waited = dev
+            .stream
+            .synchronize()
+            .map_err(|e| err(format!("cuBLAS stream: {e:?}")));
+        return Ordered::Done(launched.and(written).and(waited));
+    }
+    drop(blas);
+    crossing.finish(client);
+    Ordered::Done(Ok(()))
+}
+
 fn op(transposed: bool) -> sys::cublasOperation_t {
     if transposed {
         sys::cublasOperation_t::CUBLAS_OP_T
@@ -203,14 +380,16 @@ fn op(transposed: bool) -> sys::cublasOperation_t {
     }
 }
 
-/// Queues the GEMMs on the handle's stream; stops at the first failure (the caller still waits
-/// for the ones already queued).
+/// Queues the GEMMs on the handle's stream, `before(i)` ahead of GEMM `i` (a stream wait); stops
+/// at the first failure (the caller still waits for the ones already queued).
 fn launch_all(
     blas: &CudaBlas,
     gemms: &[Gemm<'_>],
     pointers: &[(u64, u64, u64)],
+    before: &mut dyn FnMut(usize) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
-    for (g, &(a, b, c)) in gemms.iter().zip(pointers) {
+    for (i, (g, &(a, b, c))) in gemms.iter().zip(pointers).enumerate() {
+        before(i)?;
         let s = g.shape;
         let dims = [s.m, s.n, s.k, s.lda, s.ldb, s.ldc];
         if dims.iter().any(|&d| d == 0 || d > i32::MAX as usize) {
@@ -247,6 +426,19 @@ fn launch_all(
     Ok(())
 }
 
+/// `total` split into about `count` pieces, each but the last a multiple of `align`.
+fn pieces(total: usize, count: usize, align: usize) -> Vec<std::ops::Range<usize>> {
+    let step = total.div_ceil(count.max(1)).next_multiple_of(align).max(align);
+    (0..total)
+        .step_by(step)
+        .map(|start| start..(start + step).min(total))
+        .collect()
+}
+
+/// Piece boundaries sit at multiples of this many rows or columns (16-byte aligned pointers for
+/// cuBLAS, whole words of codes for the decode).
+const PIECE_ALIGN: usize = 64;
+
 /// `Y[M, N] = X · deq(W)ᵀ (+ bias) (+ s·T·Bᵀ)`: `W` decoded into a dense buffer, bias and LoRA
 /// folded in as extra columns ([`crate::dense`]). `lora` is `(T [M, r] f32, B [N, r] F, r, s)`;
 /// the caller has checked every buffer's size.
@@ -256,6 +448,9 @@ fn launch_all(
 /// (o, down) the copy of `X` would cost more, and hold `M·K` more elements (3 GB for a 7B
 /// down-projection at 80k rows), so the plain product runs first and a second GEMM over the
 /// extra columns alone adds to `Y` (`beta = 1`).
+///
+/// The decode goes in [`crate::blas::decode_pieces`] pieces of rows of `W`; ordered on the
+/// device, the GEMM of one piece's outputs runs while the next piece decodes.
 pub(crate) fn forward<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -268,11 +463,44 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
     let (n, k) = (weight.n, weight.k);
     let size = std::mem::size_of::<F>();
+    let rows = pieces(n, crate::blas::decode_pieces(m, n, k), PIECE_ALIGN);
+    let last = rows.len() - 1;
+    // One GEMM per piece of rows of the decoded weight `w` (row stride `ld`): Y's columns.
+    // (shape, A offset, C offset, stage) of each piece's GEMM
+    let piece_shapes = |ld: usize| -> Vec<(BlasShape, usize, usize, usize)> {
+        rows.iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let mut shape = BlasShape::forward(m, r.len(), ld);
+                shape.ldc = n;
+                (shape, r.start * ld, r.start, i)
+            })
+            .collect()
+    };
+    let decode = |w: &Handle, ld: usize, i: usize| {
+        dense::dequantize_block::<R, F>(client, weight, w, ld, rows[i].clone(), 0..k)
+    };
     if (lora.is_none() && bias.is_none()) || k > n {
         // the plain product (then the extra columns' own GEMM) on the decoded weight
         let w = client.empty(n * k * size);
-        dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
-        return dense_forward::<R, F, F>(client, x, m, &w, n, k, bias, lora, y);
+        let extra = extra_operands::<R, F>(client, m, n, bias, lora)?;
+        let mut gemms: Vec<Gemm<'_>> = piece_shapes(k)
+            .into_iter()
+            .map(|(shape, a_offset, c_offset, stage)| Gemm {
+                a_offset,
+                c_offset,
+                stage,
+                ..Gemm::new(shape, (&w, x, y)).types(ty, ty)
+            })
+            .collect();
+        if let Some((ew, ex, ld)) = &extra {
+            gemms.push(Gemm {
+                beta: 1.0,
+                stage: last,
+                ..Gemm::new(BlasShape::forward(m, n, *ld), (ew, ex, y)).types(ty, ty)
+            });
+        }
+        return run_staged(client, &gemms, rows.len(), &mut |i| decode(&w, k, i));
     }
     let rank = lora.map_or(0, |l| l.2);
     let (bias_w, bias_x) = match bias {
@@ -283,21 +511,47 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
     let ld = dense::widened_ld(k, rank, bias.is_some());
     let w = client.empty(n * ld * size);
-    dense::dequantize_rows::<R, F>(client, weight, &w, ld)?;
+    // columns K.. of every row now, columns ..K piece by piece below
     dense::widen::<R, F, F>(client, None, tail_w, bias_w, &w, n, k, ld)?;
     let xw = client.empty(m * ld * size);
     dense::widen::<R, F, f32>(client, Some(x), tail_x, bias_x, &xw, m, k, ld)?;
-    let gemm = Gemm {
-        shape: BlasShape::forward(m, n, ld),
-        a: &w,
-        b: &xw,
-        c: y,
-        ab_type: ty,
-        c_type: ty,
-        alpha: 1.0,
-        beta: 0.0,
+    let gemms: Vec<Gemm<'_>> = piece_shapes(ld)
+        .into_iter()
+        .map(|(shape, a_offset, c_offset, stage)| Gemm {
+            a_offset,
+            c_offset,
+            stage,
+            ..Gemm::new(shape, (&w, &xw, y)).types(ty, ty)
+        })
+        .collect();
+    run_staged(client, &gemms, rows.len(), &mut |i| decode(&w, ld, i))
+}
+
+/// The two small operands of the extra columns' GEMM (`[s·T | 1 | 0..]` for the rows of `X`,
+/// `[B | bias | 0..]` for the rows of `W`) and their row stride; `None` without bias and LoRA.
+fn extra_operands<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    n: usize,
+    bias: Option<&Handle>,
+    lora: Option<(&Handle, &Handle, usize, f32)>,
+) -> Result<Option<(Handle, Handle, usize)>, KernelError> {
+    if lora.is_none() && bias.is_none() {
+        return Ok(None);
+    }
+    let size = std::mem::size_of::<F>();
+    let (bias_w, bias_x) = match bias {
+        Some(b) => (ExtraColumn::PerRow(b), ExtraColumn::Ones),
+        None => (ExtraColumn::None, ExtraColumn::None),
     };
-    run(client, &[gemm])
+    let ld = dense::widened_ld(0, lora.map_or(0, |l| l.2), bias.is_some());
+    let extra_w = client.empty(n * ld * size);
+    let tail_w = lora.map(|(_, b, r, _)| (b, r, 1.0));
+    dense::widen::<R, F, F>(client, None, tail_w, bias_w, &extra_w, n, 0, ld)?;
+    let extra_x = client.empty(m * ld * size);
+    let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
+    dense::widen::<R, F, f32>(client, None, tail_x, bias_x, &extra_x, m, 0, ld)?;
+    Ok(Some((extra_w, extra_x, ld)))
 }
 
 /// `Y[M, N] = X · Dᵀ (+ bias) (+ s·T·Bᵀ)` for a dense row-major `D [N, K]` in `F`, `Y` in `O`
@@ -317,38 +571,20 @@ pub(crate) fn dense_forward<R: Runtime, F: Float, O: Float>(
 ) -> Result<(), KernelError> {
     let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
     let out = output_type::<O>().ok_or_else(|| err("cuBLAS writes bf16, f16 or f32 only"))?;
-    let gemm = |ld: usize, a, b, beta| Gemm {
-        shape: BlasShape::forward(m, n, ld),
-        a,
-        b,
-        c: y,
-        ab_type: ty,
-        c_type: out,
-        alpha: 1.0,
-        beta,
-    };
-    if lora.is_none() && bias.is_none() {
-        return run(client, &[gemm(k, d, x, 0.0)]);
+    let mut gemms = vec![Gemm::new(BlasShape::forward(m, n, k), (d, x, y)).types(ty, out)];
+    let extra = extra_operands::<R, F>(client, m, n, bias, lora)?;
+    if let Some((ew, ex, ld)) = &extra {
+        gemms.push(Gemm {
+            beta: 1.0,
+            ..Gemm::new(BlasShape::forward(m, n, *ld), (ew, ex, y)).types(ty, out)
+        });
     }
-    let size = std::mem::size_of::<F>();
-    let (bias_w, bias_x) = match bias {
-        Some(b) => (ExtraColumn::PerRow(b), ExtraColumn::Ones),
-        None => (ExtraColumn::None, ExtraColumn::None),
-    };
-    let ld = dense::widened_ld(0, lora.map_or(0, |l| l.2), bias.is_some());
-    let extra_w = client.empty(n * ld * size);
-    let tail_w = lora.map(|(_, b, r, _)| (b, r, 1.0));
-    dense::widen::<R, F, F>(client, None, tail_w, bias_w, &extra_w, n, 0, ld)?;
-    let extra_x = client.empty(m * ld * size);
-    let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
-    dense::widen::<R, F, f32>(client, None, tail_x, bias_x, &extra_x, m, 0, ld)?;
-    run(
-        client,
-        &[gemm(k, d, x, 0.0), gemm(ld, &extra_w, &extra_x, 1.0)],
-    )
+    run(client, &gemms)
 }
 
-/// `dX[M, K] = dY[M, N] · deq(W)[N, K]` through a dense `W` and cuBLAS.
+/// `dX[M, K] = dY[M, N] · deq(W)[N, K]` through a dense `W` and cuBLAS. The decode goes in
+/// [`crate::blas::decode_pieces`] pieces of columns of `W`; ordered on the device, the GEMM of
+/// one piece's columns of `dX` runs while the next piece decodes.
 pub(crate) fn transposed<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     dy: &Handle,
@@ -359,16 +595,22 @@ pub(crate) fn transposed<R: Runtime, F: Float>(
     let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
     let (n, k) = (weight.n, weight.k);
     let w = client.empty(n * k * std::mem::size_of::<F>());
-    dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
-    let gemm = Gemm {
-        shape: BlasShape::transposed(m, n, k),
-        a: &w,
-        b: dy,
-        c: dx,
-        ab_type: ty,
-        c_type: ty,
-        alpha: 1.0,
-        beta: 0.0,
-    };
-    run(client, &[gemm])
+    let cols = pieces(k, crate::blas::decode_pieces(m, k, n), PIECE_ALIGN);
+    let gemms: Vec<Gemm<'_>> = cols
+        .iter()
+        .enumerate()
+        .map(|(stage, c)| {
+            let mut shape = BlasShape::transposed(m, n, c.len());
+            (shape.lda, shape.ldc) = (k, k);
+            Gemm {
+                a_offset: c.start,
+                c_offset: c.start,
+                stage,
+                ..Gemm::new(shape, (&w, dy, dx)).types(ty, ty)
+            }
+        })
+        .collect();
+    run_staged(client, &gemms, cols.len(), &mut |i| {
+        dense::dequantize_block::<R, F>(client, weight, &w, k, 0..n, cols[i].clone())
+    })
 }

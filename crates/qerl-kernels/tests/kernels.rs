@@ -429,9 +429,15 @@ pub fn matmul_tensor_cores<R: Runtime, F: Float + CubeElement>(device: &R::Devic
         };
         let want_bias = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), None);
         let want_lora = matmul_ref(&rx, &deq, m, n, k, Some(&rbias), Some(&lref));
-        for strategy in strategies::<R, F>(&c) {
+        // cuBLAS also with its decode in 3 pieces (a GEMM per piece, ordered on the device)
+        let runs = strategies::<R, F>(&c).into_iter().flat_map(|s| match s {
+            gemm::Strategy::Cublas => vec![(s, 1), (s, 3)],
+            _ => vec![(s, 1)],
+        });
+        for (strategy, pieces) in runs {
             let _s = strategy_guard(strategy);
-            let what = format!("{strategy:?} {format} M={m} N={n} K={k}");
+            let _p = Restore::set(Some(pieces), None, qerl_kernels::blas::set_decode_pieces);
+            let what = format!("{strategy:?} ({pieces} decode pieces) {format} M={m} N={n} K={k}");
 
             let y = poisoned::<R, F>(&c, m * n);
             gemm::matmul::<R, F>(&c, &xh, m, &dw, Some(&bh), None, &y).unwrap();
@@ -622,6 +628,71 @@ pub fn blas_products<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
     }
 }
 
+/// cuBLAS ordered against cubecl's stream, both ways ([`qerl_kernels::blas::device_ordering`]
+/// on and off): per round, slow cubecl copies keep the stream busy, a cubecl copy writes the
+/// round's `A` into a buffer every round reuses, cuBLAS computes `C = A·B` into another reused
+/// buffer, and a cubecl copy takes `C` into the round's own output. Nothing is waited for on
+/// the host until every round is queued. A GEMM that starts before its producers finish reads
+/// the previous round's `A`; a consumer that runs before the GEMM ends copies the previous
+/// round's `C`; either fails the round against the host.
+pub fn blas_ordering<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    use qerl_kernels::blas::{self, DenseProduct};
+    use qerl_kernels::dense::{widen, ExtraColumn};
+    let c = R::client(device);
+    if !supported::<R, F>(&c) || !blas::available::<R, F>(&c) {
+        eprintln!("note: no cuBLAS for this type here, ordering not checked");
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    let (m, n, k, rounds) = (96, 80, 256, 12);
+    let copy = |from: &Handle, to: &Handle, rows: usize, cols: usize| {
+        widen::<R, F, F>(&c, Some(from), None, ExtraColumn::None, to, rows, cols, cols)
+            .expect("copy shapes")
+    };
+    // 4 x 32 MB of copies ahead of each round's producer (~100 us on an H100).
+    let big = 1 << 24;
+    let (slow_in, slow_out) = (upload::<R, F>(&c, &normal(&mut rng, big, 1.0)), c.empty(big * 4));
+    let b = normal(&mut rng, k * n, 1.0);
+    let (rb, bh) = (rounded::<F>(&b), upload::<R, F>(&c, &b));
+    let initial = blas::device_ordering().expect("QERL_CUBLAS_ORDER");
+    for on_device in [true, false] {
+        blas::set_device_ordering(on_device);
+        let (a_live, c_live) = (poisoned::<R, F>(&c, m * k), poisoned::<R, F>(&c, m * n));
+        let mut cases = Vec::new();
+        for _ in 0..rounds {
+            let a = normal(&mut rng, m * k, 1.0);
+            let ah = upload::<R, F>(&c, &a);
+            for _ in 0..4 {
+                copy(&slow_in, &slow_out, big / 256, 256);
+            }
+            copy(&ah, &a_live, m, k);
+            let product = DenseProduct {
+                a: &a_live,
+                a_t: false,
+                b: &bh,
+                b_t: false,
+                c: &c_live,
+                m,
+                n,
+                k,
+                alpha: 1.0,
+            };
+            assert!(blas::products::<R, F>(&c, &[product]).expect("product shapes"));
+            let out = poisoned::<R, F>(&c, m * n);
+            copy(&c_live, &out, m, n);
+            cases.push((rounded::<F>(&a), out));
+        }
+        for (round, (ra, out)) in cases.iter().enumerate() {
+            let want: Vec<f64> = (0..m * n)
+                .map(|e| (0..k).map(|l| ra[(e / n) * k + l] * rb[l * n + e % n]).sum())
+                .collect();
+            let what = format!("blas ordering (device {on_device}), round {round}");
+            assert_close(&what, &read::<R, F>(&c, out), &want, tol, seed);
+        }
+    }
+    blas::set_device_ordering(initial);
+}
+
 /// The dense operands of the cuBLAS strategy, on any runtime: `deq(W)` at a row stride wider
 /// than K (columns past K untouched), and the widened activation / weight rows (X copied, then
 /// `s·T` or `B`, then the bias column, then zeros), all exact against the host.
@@ -663,6 +734,22 @@ pub fn dense_operands<R: Runtime, F: Float + CubeElement>(device: &R::Device) {
             want,
             "{format} weight side, seed {seed}"
         );
+
+        // one block of the decode, where the whole decode puts it; the rest stays poisoned
+        let (rows, cols) = (7..29, 24..72);
+        let part = poisoned::<R, F>(&c, n * ld);
+        dense::dequantize_block::<R, F>(&c, &dw, &part, ld, rows.clone(), cols.clone()).unwrap();
+        let got = read::<R, F>(&c, &part);
+        for r in 0..n {
+            for col in 0..ld {
+                let inside = rows.contains(&r) && cols.contains(&col);
+                let g = got[r * ld + col];
+                assert!(
+                    if inside { g == deq[r * k + col] } else { g.is_nan() },
+                    "{format} block decode at ({r}, {col}): {g}, seed {seed}"
+                );
+            }
+        }
 
         // activation side: X | s·T | 1 | 0, T in f32
         let xw = poisoned::<R, F>(&c, m * ld);
@@ -1607,6 +1694,8 @@ macro_rules! suite {
             fn dense_products() { super::dense_products::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn blas_products() { super::blas_products::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn blas_ordering() { super::blas_ordering::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_transposed_all_formats() { super::matmul_transposed::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
