@@ -53,9 +53,6 @@ struct Args {
     /// is written under target/autotune), tc (tensor-core kernel, tiles by cube count), cublas.
     #[arg(long, default_value = "tuned", value_parser = ["tuned", "tc", "cublas"])]
     strategy: String,
-    /// Decode pieces `strategies` also times dequantize + cuBLAS with (`@cublas-p<n>`).
-    #[arg(long, value_delimiter = ',', default_value = "2,4")]
-    pieces: Vec<usize>,
     /// Rows at which `old` times the tiled kernel.
     #[arg(long, value_delimiter = ',', default_value = "16,256,1024")]
     old_m: Vec<usize>,
@@ -287,16 +284,12 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                     if want("strategies") && format == QuantFormat::Nvfp4 && m > 16 {
                         let tuned_or_default = gemm::strategy()?;
                         let ordering = qerl_kernels::blas::device_ordering()?;
-                        // (strategy, row suffix, cuBLAS ordered on the device, decode pieces)
-                        let mut strategies = vec![(gemm::Strategy::TensorCores, "tc", true, 1)];
+                        // (strategy, row suffix, cuBLAS ordered on the device)
+                        let mut strategies = vec![(gemm::Strategy::TensorCores, "tc", true)];
                         let cublas = gemm::cublas_usable::<R, F>(&c);
                         if cublas {
-                            strategies.push((gemm::Strategy::Cublas, "cublas", true, 1));
-                            for &p in &args.pieces {
-                                let name = Box::leak(format!("cublas-p{p}").into_boxed_str());
-                                strategies.push((gemm::Strategy::Cublas, name, true, p));
-                            }
-                            strategies.push((gemm::Strategy::Cublas, "cublas-host", false, 1));
+                            strategies.push((gemm::Strategy::Cublas, "cublas", true));
+                            strategies.push((gemm::Strategy::Cublas, "cublas-host", false));
                         }
                         let dy = random_activations(&c, m * n, &mut rng);
                         let dx = c.empty(m * k * 2);
@@ -304,10 +297,9 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                         let a = random_activations(&c, rank * k, &mut rng);
                         let b = random_activations(&c, n * rank, &mut rng);
                         let t = c.empty(m * rank * 4);
-                        for (strategy, name, on_device, pieces) in strategies {
+                        for (strategy, name, on_device) in strategies {
                             gemm::set_strategy(strategy);
                             qerl_kernels::blas::set_device_ordering(on_device);
-                            qerl_kernels::blas::set_decode_pieces(Some(pieces));
                             let s = time(&c, iters, reps, || {
                                 gemm::matmul::<R, F>(&c, &x, m, &w, None, None, &y).unwrap()
                             })?;
@@ -322,7 +314,6 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                             push(strategy_row("lora16", name), m, s, weight_bytes + io, flops);
                         }
                         qerl_kernels::blas::set_device_ordering(ordering);
-                        qerl_kernels::blas::set_decode_pieces(None);
                         if cublas {
                             // The two halves of `@cublas`: the decode, and cuBLAS on its output.
                             let dense = c.empty(n * k * 2);
@@ -342,10 +333,16 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                                 k,
                                 alpha: 1.0,
                             };
-                            let s = time(&c, iters, reps, || {
-                                qerl_kernels::blas::products::<R, F>(&c, &[product]).unwrap();
-                            })?;
-                            push("dense@cublas", m, s, (2 * n * k) as f64 + io, flops);
+                            for (row, on_device) in
+                                [("dense@cublas", true), ("dense@cublas-host", false)]
+                            {
+                                qerl_kernels::blas::set_device_ordering(on_device);
+                                let s = time(&c, iters, reps, || {
+                                    qerl_kernels::blas::products::<R, F>(&c, &[product]).unwrap();
+                                })?;
+                                push(row, m, s, (2 * n * k) as f64 + io, flops);
+                            }
+                            qerl_kernels::blas::set_device_ordering(ordering);
                         }
                         gemm::set_strategy(tuned_or_default);
                     }

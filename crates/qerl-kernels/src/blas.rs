@@ -16,7 +16,7 @@
 //! [`products`] returns `Ok(false)`, launching nothing, where cuBLAS cannot run them (not CUDA,
 //! f32, libcublas missing). The caller then falls back to its own path.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -31,15 +31,16 @@ static ORDER: AtomicU8 = AtomicU8::new(u8::MAX);
 
 /// Whether cuBLAS products are ordered against cubecl's stream on the device (flags in device
 /// memory, no host round trip) rather than through the host: the last
-/// [`set_device_ordering`], else [`ORDER_ENV`] (empty: `device`); any other value is an error
-/// that names the variable.
+/// [`set_device_ordering`], else [`ORDER_ENV`] (empty: `device`, unless a kernel profiler is
+/// injected); any other value is an error that names the variable.
 pub fn device_ordering() -> Result<bool, KernelError> {
     Ok(match ORDER.load(Ordering::Relaxed) {
         0 => false,
         1 => true,
         _ => {
             let on = match std::env::var(ORDER_ENV).unwrap_or_default().as_str() {
-                "" | "device" => true,
+                "" => !kernel_profiler_attached(),
+                "device" => true,
                 "host" => false,
                 other => {
                     return Err(KernelError::Vendor {
@@ -53,45 +54,25 @@ pub fn device_ordering() -> Result<bool, KernelError> {
     })
 }
 
+/// Whether a CUDA tool that replays kernels one at a time (Nsight Compute) is injected into
+/// this process. Under it the wait kernel on cubecl's side would never see the GEMM it waits
+/// for, so [`device_ordering`] defaults to the host there (Nsight Systems, which does not
+/// serialise kernels, keeps the device ordering).
+fn kernel_profiler_attached() -> bool {
+    let attached = std::env::var("CUDA_INJECTION64_PATH")
+        .is_ok_and(|p| !p.is_empty() && !p.to_ascii_lowercase().contains("nsight-systems"));
+    if attached {
+        eprintln!(
+            "qerl: a CUDA profiler is injected (CUDA_INJECTION64_PATH): cuBLAS is ordered \
+             through the host ({ORDER_ENV}=device overrides)"
+        );
+    }
+    attached
+}
+
 /// Sets [`device_ordering`] for every later product of this process (benchmarks time both).
 pub fn set_device_ordering(on: bool) {
     ORDER.store(u8::from(on), Ordering::Relaxed);
-}
-
-/// The environment variable that fixes the number of pieces the cuBLAS strategy decodes a
-/// weight in ([`decode_pieces`]).
-pub const PIECES_ENV: &str = "QERL_CUBLAS_PIECES";
-
-static PIECES: AtomicUsize = AtomicUsize::new(0);
-
-/// Pieces the dequantize + cuBLAS strategy decodes a 4-bit weight in, for a product with
-/// `rows` activation rows, `outputs` output columns split across the pieces and `depth` summed
-/// over: ordered on the device, the GEMM of one piece runs while the next decodes. The last
-/// [`set_decode_pieces`], else [`PIECES_ENV`], else 1.
-pub fn decode_pieces(rows: usize, outputs: usize, depth: usize) -> usize {
-    let _ = (rows, outputs, depth);
-    let fixed = match PIECES.load(Ordering::Relaxed) {
-        0 => {
-            let v = std::env::var(PIECES_ENV)
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(1)
-                .max(1);
-            PIECES.store(v, Ordering::Relaxed);
-            v
-        }
-        v => v,
-    };
-    if device_ordering().unwrap_or(false) {
-        fixed
-    } else {
-        1
-    }
-}
-
-/// Sets [`decode_pieces`] for every later product (`None`: back to the default).
-pub fn set_decode_pieces(pieces: Option<usize>) {
-    PIECES.store(pieces.map_or(0, |p| p.max(1)), Ordering::Relaxed);
 }
 
 /// `C[m, n] = alpha · op(A) · op(B)` for row-major matrices of one float type: `op(A)` is

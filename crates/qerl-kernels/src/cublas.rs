@@ -90,15 +90,10 @@ pub(crate) struct Gemm<'a> {
     pub c_type: sys::cudaDataType,
     pub alpha: f32,
     pub beta: f32,
-    /// Where `A` and `C` start in their buffers, in elements (a piece of a bigger product).
-    pub a_offset: usize,
-    pub c_offset: usize,
-    /// The stage of the caller's cubecl work (see [`run_staged`]) this GEMM needs finished.
-    pub stage: usize,
 }
 
 impl<'a> Gemm<'a> {
-    /// A whole product of `A` and `B` into `C`, needing everything queued before it.
+    /// `C = op(A)·op(B)` in bf16 (see [`Gemm::types`]), `alpha` 1, `beta` 0.
     pub(crate) fn new(shape: BlasShape, (a, b, c): (&'a Handle, &'a Handle, &'a Handle)) -> Self {
         Gemm {
             shape,
@@ -109,9 +104,6 @@ impl<'a> Gemm<'a> {
             c_type: sys::cudaDataType::CUDA_R_16BF,
             alpha: 1.0,
             beta: 0.0,
-            a_offset: 0,
-            c_offset: 0,
-            stage: 0,
         }
     }
 
@@ -170,23 +162,71 @@ pub(crate) fn run<R: Runtime>(
     client: &ComputeClient<R>,
     gemms: &[Gemm<'_>],
 ) -> Result<(), KernelError> {
-    run_staged(client, gemms, 0, &mut |_| Ok(()))
+    run_after(client, gemms, &mut || Ok(()))
 }
 
-/// [`run`] with the GEMMs' inputs still to be made: `produce(i)` queues stage `i` of `stages`
-/// on cubecl's stream (stage 0 after everything queued so far), and a GEMM waits only for the
-/// stages up to its own [`Gemm::stage`]. Ordered on the device, a GEMM then runs while cubecl
-/// makes the next stage's input (the decode of the next rows of a weight); ordered through the
-/// host, every stage is made first. `stages = 0`: nothing to make, as [`run`].
-pub(crate) fn run_staged<R: Runtime>(
+/// [`run`] with the GEMMs' inputs still to be made: `produce` queues the cubecl work they need
+/// (the decode of a weight) just before them. Ordered on the device, everything (the buffers'
+/// pointers, `produce`'s launches, the flags, the cuBLAS calls) happens in one call on cubecl's
+/// device thread, so the caller waits for that thread once per product instead of once per
+/// buffer.
+pub(crate) fn run_after<R: Runtime>(
     client: &ComputeClient<R>,
     gemms: &[Gemm<'_>],
-    stages: usize,
-    produce: &mut dyn FnMut(usize) -> Result<(), KernelError>,
+    produce: &mut (dyn FnMut() -> Result<(), KernelError> + Send),
 ) -> Result<(), KernelError> {
     let client = cuda_client(client).ok_or_else(|| err("cuBLAS needs the CUDA runtime"))?;
-    // 1. Pointers, each with the guard that keeps its memory out of the pool until we are done.
-    // (A buffer a stage writes is only held here; it is written on the device later, in order.)
+    let mut produced = false;
+    if crate::blas::device_ordering()? {
+        let task = || run_device_ordered(client, gemms, produce);
+        let (ordered, made) = client
+            .exclusive(task)
+            .map_err(|e| err(format!("cubecl's device thread: {e:?}")))?;
+        produced = made;
+        match ordered {
+            Ordered::Done(result) => return result,
+            Ordered::Unavailable(why) => {
+                crate::blas::set_device_ordering(false);
+                eprintln!(
+                    "qerl: cuBLAS ordered on the device failed ({why}); ordering it through the host from now on"
+                );
+            }
+        }
+    }
+    if !produced {
+        produce()?;
+    }
+    let (held, launches) = pointers(client, gemms)?;
+    let Some(&(first, _, _)) = launches.first() else {
+        return Ok(());
+    };
+    let dev = device_blas(device_of(first)?)?;
+    // 2. Everything that writes or last read these buffers has finished on the device.
+    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
+    dev.ctx
+        .bind_to_thread()
+        .map_err(|e| err(format!("CUDA context: {e:?}")))?;
+    // 3. No cubecl call from here on: the device thread may need this lock (a tuning pass runs
+    // the cuBLAS candidate there).
+    let blas = dev.blas.lock().map_err(|_| err("cuBLAS handle poisoned"))?;
+    let launched = launch_all(&blas, gemms, &launches);
+    let waited = dev
+        .stream
+        .synchronize()
+        .map_err(|e| err(format!("cuBLAS stream: {e:?}")));
+    drop(blas);
+    // Only now may the pool hand these buffers to the next reservation.
+    drop(held);
+    launched.and(waited)
+}
+
+/// Step 1: every buffer's device pointer, each with the guard that keeps its memory out of the
+/// pool until dropped, checked against the extents its GEMM touches.
+#[allow(clippy::type_complexity)]
+fn pointers(
+    client: &ComputeClient<CudaRuntime>,
+    gemms: &[Gemm<'_>],
+) -> Result<(Vec<impl Sized>, Vec<(u64, u64, u64)>), KernelError> {
     let mut held = Vec::new();
     let mut ptr = |h: &Handle, need: usize, what: &str| -> Result<u64, KernelError> {
         let r = client
@@ -206,76 +246,30 @@ pub(crate) fn run_staged<R: Runtime>(
     let mut launches = Vec::with_capacity(gemms.len());
     for g in gemms {
         let (ea, eb, ec) = g.shape.extents();
-        let (ab, cb) = (elem_bytes(g.ab_type), elem_bytes(g.c_type));
-        let a = ptr(g.a, (g.a_offset + ea) * ab, "A")? + (g.a_offset * ab) as u64;
+        let ab = elem_bytes(g.ab_type);
+        let a = ptr(g.a, ea * ab, "A")?;
         let b = ptr(g.b, eb * ab, "B")?;
-        let c = ptr(g.c, (g.c_offset + ec) * cb, "C")? + (g.c_offset * cb) as u64;
-        if stages > 0 && g.stage >= stages {
-            return Err(err(format!("a GEMM needs stage {} of {stages}", g.stage)));
-        }
+        let c = ptr(g.c, ec * elem_bytes(g.c_type), "C")?;
         launches.push((a, b, c));
     }
-    let Some(&(first, _, _)) = launches.first() else {
-        for stage in 0..stages {
-            produce(stage)?;
-        }
-        return Ok(());
-    };
+    Ok((held, launches))
+}
+
+/// The CUDA device a buffer of cubecl's lives on.
+fn device_of(ptr: u64) -> Result<usize, KernelError> {
     let mut ordinal: i32 = 0;
-    // SAFETY: `first` is a live device allocation of cubecl's (held above); the attribute is an int.
+    // SAFETY: `ptr` is a live device allocation of cubecl's (held by the caller); the attribute
+    // is an int.
     unsafe {
         cudarc::driver::sys::cuPointerGetAttribute(
             &mut ordinal as *mut i32 as *mut std::ffi::c_void,
             cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            first,
+            ptr,
         )
         .result()
         .map_err(|e| err(format!("device of a buffer: {e:?}")))?;
     }
-    let dev = device_blas(ordinal as usize)?;
-    let mut produced = 0;
-    if crate::blas::device_ordering()? {
-        let mut crossing = crate::stream_order::begin(client, ordinal as usize)?;
-        // 2a. The stages, each followed by its signal (one signal when there is nothing to make).
-        let mut ready = Vec::with_capacity(stages.max(1));
-        for stage in 0..stages {
-            produce(stage)?;
-            ready.push(crossing.signal(client)?);
-        }
-        produced = stages;
-        if stages == 0 {
-            ready.push(crossing.signal(client)?);
-        }
-        match run_device_ordered(client, &dev, crossing, &ready, gemms, &launches) {
-            Ordered::Done(result) => return result,
-            Ordered::Unavailable(why) => {
-                crate::blas::set_device_ordering(false);
-                eprintln!(
-                    "qerl: cuBLAS ordered on the device failed ({why}); ordering it through the host from now on"
-                );
-            }
-        }
-    }
-    for stage in produced..stages {
-        produce(stage)?;
-    }
-    // 2. Everything that writes or last read these buffers has finished on the device.
-    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
-    dev.ctx
-        .bind_to_thread()
-        .map_err(|e| err(format!("CUDA context: {e:?}")))?;
-    // 3. No cubecl call from here on: the device thread may need this lock (a tuning pass runs
-    // the cuBLAS candidate there).
-    let blas = dev.blas.lock().map_err(|_| err("cuBLAS handle poisoned"))?;
-    let launched = launch_all(&blas, gemms, &launches, &mut |_| Ok(()));
-    let waited = dev
-        .stream
-        .synchronize()
-        .map_err(|e| err(format!("cuBLAS stream: {e:?}")));
-    drop(blas);
-    // Only now may the pool hand these buffers to the next reservation.
-    drop(held);
-    launched.and(waited)
+    Ok(ordinal as usize)
 }
 
 /// What [`run_device_ordered`] did.
@@ -287,89 +281,95 @@ enum Ordered {
     Unavailable(String),
 }
 
-/// Steps 2-3 without a host round trip ([`crate::stream_order`]): before each GEMM, cuBLAS's
-/// stream waits on the device for the signal of the stage it needs (`ready[stage]`), and
-/// cubecl's stream waits on the device for the last GEMM. The caller's buffer guards may be
-/// released as soon as this returns: every later cubecl kernel, a reuse of their memory
-/// included, is queued behind the wait.
+/// Steps 1-3 without a host round trip ([`crate::stream_order`]), on cubecl's device thread
+/// (where every cubecl call runs inline): the pointers, `produce`'s launches and a signal on
+/// cubecl's stream; on cuBLAS's stream a wait for it, the GEMMs and a write of `done`; then a
+/// wait for `done` on cubecl's stream. The buffer guards are released at the end: every later
+/// cubecl kernel, a reuse of their memory included, is queued behind that wait. Also returns
+/// whether `produce` ran.
 fn run_device_ordered(
     client: &ComputeClient<CudaRuntime>,
-    dev: &DeviceBlas,
-    crossing: crate::stream_order::Crossing,
-    ready: &[u32],
     gemms: &[Gemm<'_>],
-    launches: &[(u64, u64, u64)],
-) -> Ordered {
+    produce: &mut (dyn FnMut() -> Result<(), KernelError> + Send),
+) -> (Ordered, bool) {
     use cudarc::driver::sys::{
         cuStreamWaitValue32_v2, cuStreamWriteValue32_v2, CUstreamWaitValue_flags,
         CUstreamWriteValue_flags,
     };
+    let (held, launches) = match pointers(client, gemms) {
+        Ok(p) => p,
+        Err(e) => return (Ordered::Done(Err(e)), false),
+    };
+    let Some(&(first, _, _)) = launches.first() else {
+        return (Ordered::Done(produce()), true);
+    };
+    let (ordinal, dev) = match device_of(first).and_then(|o| Ok((o, device_blas(o)?))) {
+        Ok(d) => d,
+        Err(e) => return (Ordered::Done(Err(e)), false),
+    };
+    let mut crossing = match crate::stream_order::begin(client, ordinal) {
+        Ok(c) => c,
+        Err(e) => return (Ordered::Unavailable(e.to_string()), false),
+    };
+    if let Err(e) = produce() {
+        return (Ordered::Done(Err(e)), true);
+    }
+    let ready = match crossing.signal(client) {
+        Ok(v) => v,
+        Err(e) => return (Ordered::Unavailable(e.to_string()), true),
+    };
     let (ready_ptr, done_ptr) = match crossing.pointers(client) {
         Ok(p) => p,
-        Err(e) => return Ordered::Unavailable(e.to_string()),
-    };
-    let Some(done) = crossing.done_value() else {
-        return Ordered::Unavailable("no signal".into());
+        Err(e) => return (Ordered::Unavailable(e.to_string()), true),
     };
     if let Err(e) = dev.ctx.bind_to_thread() {
-        return Ordered::Unavailable(format!("CUDA context: {e:?}"));
+        return (Ordered::Unavailable(format!("CUDA context: {e:?}")), true);
     }
-    let blas = match dev.blas.lock() {
-        Ok(b) => b,
-        Err(_) => return Ordered::Done(Err(err("cuBLAS handle poisoned"))),
+    let Ok(blas) = dev.blas.lock() else {
+        return (Ordered::Done(Err(err("cuBLAS handle poisoned"))), true);
     };
     let stream = dev.stream.cu_stream();
-    // Before GEMM `i`: wait for its stage's signal, unless an earlier wait already covers it.
-    let mut waited_for: Option<usize> = None;
-    let mut wait = |i: usize| -> Result<(), KernelError> {
-        let stage = gemms[i].stage.min(ready.len() - 1);
-        if waited_for.is_some_and(|w| w >= stage) {
-            return Ok(());
-        }
-        // SAFETY: `ready` is a live u32 of cubecl's on this device; the signal that sets it
-        // has been launched on the GPU (`Crossing::pointers`).
-        unsafe {
-            cuStreamWaitValue32_v2(
-                stream,
-                ready_ptr,
-                ready[stage],
-                CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-            )
-        }
-        .result()
-        .map_err(|e| err(format!("cuStreamWaitValue32: {e:?}")))?;
-        waited_for = Some(stage);
-        Ok(())
+    // SAFETY: `ready` is a live u32 of cubecl's on this device; the signal that sets it has
+    // been launched (cubecl calls run inline on this thread).
+    let waiting = unsafe {
+        cuStreamWaitValue32_v2(
+            stream,
+            ready_ptr,
+            ready,
+            CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+        )
     };
-    // The first wait tells whether the driver takes stream waits at all.
-    if let Err(e) = wait(0) {
-        return Ordered::Unavailable(e.to_string());
+    if let Err(e) = waiting.result() {
+        return (
+            Ordered::Unavailable(format!("cuStreamWaitValue32: {e:?}")),
+            true,
+        );
     }
-    let launched = launch_all(&blas, gemms, launches, &mut wait);
+    let launched = launch_all(&blas, gemms, &launches);
     // SAFETY: `done` is a live u32 of cubecl's on this device. The default flag fences the
     // GEMMs' writes before this one.
     let written = unsafe {
         cuStreamWriteValue32_v2(
             stream,
             done_ptr,
-            done,
+            ready,
             CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
         )
     }
     .result()
     .map_err(|e| err(format!("cuStreamWriteValue32: {e:?}")));
     if launched.is_err() || written.is_err() {
-        // No wait is queued on cubecl's side: finish what was queued here before returning
-        // (every signal it may wait for has been launched).
+        // No wait is queued on cubecl's side: finish what was queued here before returning.
         let waited = dev
             .stream
             .synchronize()
             .map_err(|e| err(format!("cuBLAS stream: {e:?}")));
-        return Ordered::Done(launched.and(written).and(waited));
+        return (Ordered::Done(launched.and(written).and(waited)), true);
     }
     drop(blas);
     crossing.finish(client);
-    Ordered::Done(Ok(()))
+    drop(held);
+    (Ordered::Done(Ok(())), true)
 }
 
 fn op(transposed: bool) -> sys::cublasOperation_t {
@@ -380,16 +380,14 @@ fn op(transposed: bool) -> sys::cublasOperation_t {
     }
 }
 
-/// Queues the GEMMs on the handle's stream, `before(i)` ahead of GEMM `i` (a stream wait); stops
-/// at the first failure (the caller still waits for the ones already queued).
+/// Queues the GEMMs on the handle's stream; stops at the first failure (the caller still waits
+/// for the ones already queued).
 fn launch_all(
     blas: &CudaBlas,
     gemms: &[Gemm<'_>],
     pointers: &[(u64, u64, u64)],
-    before: &mut dyn FnMut(usize) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
-    for (i, (g, &(a, b, c))) in gemms.iter().zip(pointers).enumerate() {
-        before(i)?;
+    for (g, &(a, b, c)) in gemms.iter().zip(pointers) {
         let s = g.shape;
         let dims = [s.m, s.n, s.k, s.lda, s.ldb, s.ldc];
         if dims.iter().any(|&d| d == 0 || d > i32::MAX as usize) {
@@ -426,19 +424,6 @@ fn launch_all(
     Ok(())
 }
 
-/// `total` split into about `count` pieces, each but the last a multiple of `align`.
-fn pieces(total: usize, count: usize, align: usize) -> Vec<std::ops::Range<usize>> {
-    let step = total.div_ceil(count.max(1)).next_multiple_of(align).max(align);
-    (0..total)
-        .step_by(step)
-        .map(|start| start..(start + step).min(total))
-        .collect()
-}
-
-/// Piece boundaries sit at multiples of this many rows or columns (16-byte aligned pointers for
-/// cuBLAS, whole words of codes for the decode).
-const PIECE_ALIGN: usize = 64;
-
 /// `Y[M, N] = X · deq(W)ᵀ (+ bias) (+ s·T·Bᵀ)`: `W` decoded into a dense buffer, bias and LoRA
 /// folded in as extra columns ([`crate::dense`]). `lora` is `(T [M, r] f32, B [N, r] F, r, s)`;
 /// the caller has checked every buffer's size.
@@ -448,9 +433,6 @@ const PIECE_ALIGN: usize = 64;
 /// (o, down) the copy of `X` would cost more, and hold `M·K` more elements (3 GB for a 7B
 /// down-projection at 80k rows), so the plain product runs first and a second GEMM over the
 /// extra columns alone adds to `Y` (`beta = 1`).
-///
-/// The decode goes in [`crate::blas::decode_pieces`] pieces of rows of `W`; ordered on the
-/// device, the GEMM of one piece's outputs runs while the next piece decodes.
 pub(crate) fn forward<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -463,44 +445,20 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
     let (n, k) = (weight.n, weight.k);
     let size = std::mem::size_of::<F>();
-    let rows = pieces(n, crate::blas::decode_pieces(m, n, k), PIECE_ALIGN);
-    let last = rows.len() - 1;
-    // One GEMM per piece of rows of the decoded weight `w` (row stride `ld`): Y's columns.
-    // (shape, A offset, C offset, stage) of each piece's GEMM
-    let piece_shapes = |ld: usize| -> Vec<(BlasShape, usize, usize, usize)> {
-        rows.iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let mut shape = BlasShape::forward(m, r.len(), ld);
-                shape.ldc = n;
-                (shape, r.start * ld, r.start, i)
-            })
-            .collect()
-    };
-    let decode = |w: &Handle, ld: usize, i: usize| {
-        dense::dequantize_block::<R, F>(client, weight, w, ld, rows[i].clone(), 0..k)
-    };
     if (lora.is_none() && bias.is_none()) || k > n {
         // the plain product (then the extra columns' own GEMM) on the decoded weight
         let w = client.empty(n * k * size);
         let extra = extra_operands::<R, F>(client, m, n, bias, lora)?;
-        let mut gemms: Vec<Gemm<'_>> = piece_shapes(k)
-            .into_iter()
-            .map(|(shape, a_offset, c_offset, stage)| Gemm {
-                a_offset,
-                c_offset,
-                stage,
-                ..Gemm::new(shape, (&w, x, y)).types(ty, ty)
-            })
-            .collect();
+        let mut gemms = vec![Gemm::new(BlasShape::forward(m, n, k), (&w, x, y)).types(ty, ty)];
         if let Some((ew, ex, ld)) = &extra {
             gemms.push(Gemm {
                 beta: 1.0,
-                stage: last,
                 ..Gemm::new(BlasShape::forward(m, n, *ld), (ew, ex, y)).types(ty, ty)
             });
         }
-        return run_staged(client, &gemms, rows.len(), &mut |i| decode(&w, k, i));
+        return run_after(client, &gemms, &mut || {
+            dense::dequantize_rows::<R, F>(client, weight, &w, k)
+        });
     }
     let rank = lora.map_or(0, |l| l.2);
     let (bias_w, bias_x) = match bias {
@@ -511,20 +469,13 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
     let ld = dense::widened_ld(k, rank, bias.is_some());
     let w = client.empty(n * ld * size);
-    // columns K.. of every row now, columns ..K piece by piece below
     dense::widen::<R, F, F>(client, None, tail_w, bias_w, &w, n, k, ld)?;
     let xw = client.empty(m * ld * size);
     dense::widen::<R, F, f32>(client, Some(x), tail_x, bias_x, &xw, m, k, ld)?;
-    let gemms: Vec<Gemm<'_>> = piece_shapes(ld)
-        .into_iter()
-        .map(|(shape, a_offset, c_offset, stage)| Gemm {
-            a_offset,
-            c_offset,
-            stage,
-            ..Gemm::new(shape, (&w, &xw, y)).types(ty, ty)
-        })
-        .collect();
-    run_staged(client, &gemms, rows.len(), &mut |i| decode(&w, ld, i))
+    let gemm = Gemm::new(BlasShape::forward(m, n, ld), (&w, &xw, y)).types(ty, ty);
+    run_after(client, &[gemm], &mut || {
+        dense::dequantize_rows::<R, F>(client, weight, &w, ld)
+    })
 }
 
 /// The two small operands of the extra columns' GEMM (`[s·T | 1 | 0..]` for the rows of `X`,
@@ -582,9 +533,7 @@ pub(crate) fn dense_forward<R: Runtime, F: Float, O: Float>(
     run(client, &gemms)
 }
 
-/// `dX[M, K] = dY[M, N] · deq(W)[N, K]` through a dense `W` and cuBLAS. The decode goes in
-/// [`crate::blas::decode_pieces`] pieces of columns of `W`; ordered on the device, the GEMM of
-/// one piece's columns of `dX` runs while the next piece decodes.
+/// `dX[M, K] = dY[M, N] · deq(W)[N, K]` through a dense `W` and cuBLAS.
 pub(crate) fn transposed<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     dy: &Handle,
@@ -595,22 +544,8 @@ pub(crate) fn transposed<R: Runtime, F: Float>(
     let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
     let (n, k) = (weight.n, weight.k);
     let w = client.empty(n * k * std::mem::size_of::<F>());
-    let cols = pieces(k, crate::blas::decode_pieces(m, k, n), PIECE_ALIGN);
-    let gemms: Vec<Gemm<'_>> = cols
-        .iter()
-        .enumerate()
-        .map(|(stage, c)| {
-            let mut shape = BlasShape::transposed(m, n, c.len());
-            (shape.lda, shape.ldc) = (k, k);
-            Gemm {
-                a_offset: c.start,
-                c_offset: c.start,
-                stage,
-                ..Gemm::new(shape, (&w, dy, dx)).types(ty, ty)
-            }
-        })
-        .collect();
-    run_staged(client, &gemms, cols.len(), &mut |i| {
-        dense::dequantize_block::<R, F>(client, weight, &w, k, 0..n, cols[i].clone())
+    let gemm = Gemm::new(BlasShape::transposed(m, n, k), (&w, dy, dx)).types(ty, ty);
+    run_after(client, &[gemm], &mut || {
+        dense::dequantize_rows::<R, F>(client, weight, &w, k)
     })
 }

@@ -103,8 +103,7 @@ pub fn widened_ld(k: usize, rank: usize, bias: bool) -> usize {
 }
 
 /// Unit `u` decodes `V` consecutive elements of one row (they share a word and a scale block:
-/// `V` divides 8) of the block `rows [row0, row0 + rows) x columns [col0, col0 + cols)` and
-/// stores them as one vector at row stride `ld`.
+/// `V` divides 8) and stores them as one vector at row stride `ld`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn dequant_rows_kernel<F: Float, V: Size>(
@@ -113,21 +112,18 @@ fn dequant_rows_kernel<F: Float, V: Size>(
     scale_table: &Array<f32>,
     code_table: &Array<f32>,
     out: &mut Array<Vector<F, V>>,
-    rows: u32,
+    n: u32,
     k: u32,
     ld: u32,
-    row0: u32,
-    col0: u32,
-    cols: u32,
     #[comptime] block: usize,
     #[comptime] byte_scales: bool,
 ) {
     let vs = out.vector_size();
     let u = linear_cube() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
-    let c_vecs = cols as usize / vs;
-    if u < rows as usize * c_vecs {
-        let row = row0 as usize + u / c_vecs;
-        let col = col0 as usize + (u % c_vecs) * vs;
+    let k_vecs = k as usize / vs;
+    if u < n as usize * k_vecs {
+        let row = u / k_vecs;
+        let col = (u % k_vecs) * vs;
         let e0 = row * k as usize + col;
         let s = block_scale(scale_bytes, scale_table, e0 / block, byte_scales);
         let word = codes[e0 / 8];
@@ -212,37 +208,11 @@ pub fn dequantize_rows<R: Runtime, F: Float>(
     out: &Handle,
     ld: usize,
 ) -> Result<(), KernelError> {
-    dequantize_block::<R, F>(client, weight, out, ld, 0..weight.n, 0..weight.k)
-}
-
-/// [`dequantize_rows`] for the block `rows x cols` of `W` alone, written where the whole decode
-/// would put it (the rest of `out` is left alone): the pieces of a decode that the GEMM consumes
-/// piece by piece (see [`crate::blas`]). `cols` starts and ends at multiples of 8.
-pub fn dequantize_block<R: Runtime, F: Float>(
-    client: &ComputeClient<R>,
-    weight: &DeviceWeight,
-    out: &Handle,
-    ld: usize,
-    rows: std::ops::Range<usize>,
-    cols: std::ops::Range<usize>,
-) -> Result<(), KernelError> {
     let (n, k) = (weight.n, weight.k);
     if ld < k || !ld.is_multiple_of(8) {
         return Err(shape_err(
             "dequantize_rows",
             format!("row stride {ld} for K = {k}: needs >= K and a multiple of 8"),
-        ));
-    }
-    if rows.start > rows.end
-        || rows.end > n
-        || cols.start > cols.end
-        || cols.end > k
-        || !cols.start.is_multiple_of(8)
-        || !cols.end.is_multiple_of(8)
-    {
-        return Err(shape_err(
-            "dequantize_rows",
-            format!("block {rows:?} x {cols:?} of a [{n}, {k}] weight (columns at multiples of 8)"),
         ));
     }
     check_buffer(
@@ -252,14 +222,9 @@ pub fn dequantize_block<R: Runtime, F: Float>(
         n * ld * std::mem::size_of::<F>(),
     )?;
     let vs = width::<R, F>(client);
-    let (r, c) = (rows.len(), cols.len());
-    let units = r * c / vs;
-    if units == 0 {
-        return Ok(());
-    }
-    // SAFETY: the kernel reads codes[n*k/8] and the scale buffers DeviceWeight::upload made
-    // (rows < n, columns < k, checked above), and writes out[n*ld] (checked above); K, ld and
-    // the column bounds are multiples of 8, so of vs.
+    let units = n * k / vs;
+    // SAFETY: the kernel reads codes[n*k/8] and the scale buffers DeviceWeight::upload made,
+    // and writes out[n*ld] (checked above); K and ld are multiples of 8, so of vs.
     unsafe {
         dequant_rows_kernel::launch_unchecked::<F, R>(
             client,
@@ -271,12 +236,9 @@ pub fn dequantize_block<R: Runtime, F: Float>(
             ArrayArg::from_raw_parts(weight.scale_table.clone(), weight.scale_table_len()),
             ArrayArg::from_raw_parts(weight.code_table.clone(), 16),
             ArrayArg::from_raw_parts(out.clone(), n * ld / vs),
-            r as u32,
+            n as u32,
             k as u32,
             ld as u32,
-            rows.start as u32,
-            cols.start as u32,
-            c as u32,
             weight.block(),
             weight.byte_scales(),
         );

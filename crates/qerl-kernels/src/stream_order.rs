@@ -70,14 +70,12 @@ fn flags() -> &'static Mutex<HashMap<(usize, u64), Flags>> {
     ALL.get_or_init(Default::default)
 }
 
-/// One crossing of cubecl's stream to a foreign stream and back; see the module doc. Several
-/// signals may go out before the foreign stream's work, one per piece of it that may start
-/// early (a GEMM on the first rows of a weight while cubecl decodes the next).
+/// One crossing of cubecl's stream to a foreign stream and back; see the module doc.
 pub(crate) struct Crossing {
     key: (usize, u64),
     ready: Handle,
     done: Handle,
-    /// The value of the last signal (`None` before any).
+    /// The value of the signal (`None` before it).
     last: Option<u32>,
 }
 
@@ -118,7 +116,10 @@ pub(crate) fn begin(
 impl Crossing {
     /// Queues `signal(ready = s)` on cubecl's stream, after everything queued so far, and
     /// returns `s`, the value the foreign stream waits for (`ready >= s`).
-    pub(crate) fn signal(&mut self, client: &ComputeClient<CudaRuntime>) -> Result<u32, KernelError> {
+    pub(crate) fn signal(
+        &mut self,
+        client: &ComputeClient<CudaRuntime>,
+    ) -> Result<u32, KernelError> {
         let value = {
             let mut all = flags().lock().map_err(|_| err("stream flags poisoned"))?;
             let f = all
@@ -142,9 +143,9 @@ impl Crossing {
     }
 
     /// Device addresses of the `ready` and `done` flags. `get_resource` blocks until cubecl's
-    /// device thread has run every task queued before it, so every signal queued so far has
-    /// been launched on the GPU when this returns, before the foreign stream waits for it. The
-    /// flags' memory stays valid: the map never drops their handles.
+    /// device thread has run every task queued before it (or runs inline on that thread), so
+    /// the signal has been launched on the GPU when this returns, before the foreign stream
+    /// waits for it. The flags' memory stays valid: the map never drops their handles.
     pub(crate) fn pointers(
         &self,
         client: &ComputeClient<CudaRuntime>,
@@ -158,13 +159,8 @@ impl Crossing {
         Ok((ptr(&self.ready, "ready")?, ptr(&self.done, "done")?))
     }
 
-    /// The value the foreign stream writes into `done` when its work is over: the last signal's.
-    pub(crate) fn done_value(&self) -> Option<u32> {
-        self.last
-    }
-
-    /// Queues `wait_for(done >= s)` (`s` = [`Crossing::done_value`]) on cubecl's stream: every
-    /// cubecl kernel queued after it runs after the foreign stream's write of `done = s`.
+    /// Queues `wait_for(done >= s)` (`s`, the signal's value) on cubecl's stream: every cubecl
+    /// kernel queued after it runs after the foreign stream's write of `done = s`.
     pub(crate) fn finish(self, client: &ComputeClient<CudaRuntime>) {
         let Some(value) = self.last else { return };
         // SAFETY: the flag holds one u32; one unit reads element 0.
