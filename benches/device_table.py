@@ -206,34 +206,27 @@ def main():
                 f"{f(key('lora16@tc'))} | {f(key('lora16@cublas'))} | {f(lt)} | {over} |"
                 if cb else f"| {r['model']} | {r['layer']} | {r['m']} | - | {f(r)} | - | - | - | - | - | - | - | - | - | - | - |"
             )
-    hosted = [r for r in rows if r["kernel"] == "matmul@cublas-host"]
-    if hosted:
+    parts = [r for r in rows if r["kernel"] == "matmul@cublas"]
+    if parts:
         lines.append("")
         lines.append("Update products on dequantize + cuBLAS, nvfp4 (target: >= 0.70 of cuBLAS bf16 at M >= 1024, "
-                     "forward and dX). qerl = cuBLAS ordered against cubecl on the device (the default); host = "
-                     "`QERL_CUBLAS_ORDER=host`; its parts: the decode alone and cuBLAS on the decoded weight "
-                     "(through qerl); cuBLAS bf16 = torch `x @ w.T` and `dy @ w`:")
+                     "forward and dX), and the forward's parts: the decode alone and cuBLAS on the decoded weight "
+                     "through qerl; cuBLAS bf16 = torch `x @ w.T` and `dy @ w`:")
         lines.append("")
-        pieces = sorted({r["kernel"].split("@cublas-p")[1] for r in rows if "@cublas-p" in r["kernel"]}, key=int)
-        ph = "".join(f" p{p} us | vs cuBLAS |" for p in pieces)
-        pa = " ---: | ---: |" * len(pieces)
-        lines.append(f"| model | layer | M | cuBLAS us | qerl us | vs cuBLAS |{ph} host us | vs cuBLAS | decode us | "
-                     f"dense GEMM us | host us | dX cuBLAS us | dX qerl us | vs cuBLAS |{ph} dX host us | vs cuBLAS |")
-        lines.append(f"| --- | --- | ---: | ---: | ---: | ---: |{pa} ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |{pa} ---: | ---: |")
-        for r in hosted:
+        lines.append("| model | layer | M | cuBLAS us | qerl us | vs cuBLAS | decode us | dense GEMM us | "
+                     "dX cuBLAS us | dX qerl us | vs cuBLAS |")
+        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in parts:
             key = lambda kern: qerl.get((r["model"], r["layer"], kern, "nvfp4", r["m"]))
             n, k, m = r["n"], r["k"], r["m"]
             fw = cub.get((r["model"], r["layer"], m)) or cublas(m, n, k)
             bw_ = cublas_dx(m, n, k)
             f = lambda x: f"{x['us']:.1f}" if x else "-"
             vs = lambda base, x: f"{base / x['us']:.2f}" if x else "-"
-            mq, dq, dh = key("matmul@cublas"), key("dx@cublas"), key("dx@cublas-host")
-            pf = "".join(f" {f(key(f'matmul@cublas-p{p}'))} | {vs(fw, key(f'matmul@cublas-p{p}'))} |" for p in pieces)
-            pd = "".join(f" {f(key(f'dx@cublas-p{p}'))} | {vs(bw_, key(f'dx@cublas-p{p}'))} |" for p in pieces)
+            dq = key("dx@cublas")
             lines.append(
-                f"| {r['model']} | {r['layer']} | {m} | {fw:.1f} | {f(mq)} | {vs(fw, mq)} |{pf} {f(r)} | {vs(fw, r)} | "
-                f"{f(key('dequant_rows'))} | {f(key('dense@cublas'))} | {f(key('dense@cublas-host'))} | {bw_:.1f} | {f(dq)} | {vs(bw_, dq)} |{pd} "
-                f"{f(dh)} | {vs(bw_, dh)} |"
+                f"| {r['model']} | {r['layer']} | {m} | {fw:.1f} | {f(r)} | {vs(fw, r)} | "
+                f"{f(key('dequant_rows'))} | {f(key('dense@cublas'))} | {bw_:.1f} | {f(dq)} | {vs(bw_, dq)} |"
             )
     if prev:
         lines.append("")

@@ -39,8 +39,7 @@ struct Args {
     /// (nvfp4); `tc` times matmul at 8 < M <= 16 on the tensor-core path instead of the decode
     /// kernel; `strategies` times matmul, dX and LoRA (rank 16) at M > 16 (nvfp4) with each
     /// strategy alone (`@tc`: tensor-core kernel, tiles by cube count; `@cublas`: dequantize +
-    /// cuBLAS; `@cublas-host`: the same ordered through the host, `QERL_CUBLAS_ORDER=host`),
-    /// and its parts: `dense@cublas` (cuBLAS on an already decoded weight) and `dequant_rows`
+    /// cuBLAS), and its parts: `dense@cublas` (cuBLAS on an already decoded weight) and `dequant_rows`
     /// (the decode into it), beside the rows `matmul`, `dx`, `lora16` of `--strategy`.
     #[arg(
         long,
@@ -283,13 +282,10 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                     }
                     if want("strategies") && format == QuantFormat::Nvfp4 && m > 16 {
                         let tuned_or_default = gemm::strategy()?;
-                        let ordering = qerl_kernels::blas::device_ordering()?;
-                        // (strategy, row suffix, cuBLAS ordered on the device)
-                        let mut strategies = vec![(gemm::Strategy::TensorCores, "tc", true)];
+                        let mut strategies = vec![(gemm::Strategy::TensorCores, "tc")];
                         let cublas = gemm::cublas_usable::<R, F>(&c);
                         if cublas {
-                            strategies.push((gemm::Strategy::Cublas, "cublas", true));
-                            strategies.push((gemm::Strategy::Cublas, "cublas-host", false));
+                            strategies.push((gemm::Strategy::Cublas, "cublas"));
                         }
                         let dy = random_activations(&c, m * n, &mut rng);
                         let dx = c.empty(m * k * 2);
@@ -297,9 +293,8 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                         let a = random_activations(&c, rank * k, &mut rng);
                         let b = random_activations(&c, n * rank, &mut rng);
                         let t = c.empty(m * rank * 4);
-                        for (strategy, name, on_device) in strategies {
+                        for (strategy, name) in strategies {
                             gemm::set_strategy(strategy);
-                            qerl_kernels::blas::set_device_ordering(on_device);
                             let s = time(&c, iters, reps, || {
                                 gemm::matmul::<R, F>(&c, &x, m, &w, None, None, &y).unwrap()
                             })?;
@@ -313,7 +308,6 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                             })?;
                             push(strategy_row("lora16", name), m, s, weight_bytes + io, flops);
                         }
-                        qerl_kernels::blas::set_device_ordering(ordering);
                         if cublas {
                             // The two halves of `@cublas`: the decode, and cuBLAS on its output.
                             let dense = c.empty(n * k * 2);
@@ -333,16 +327,10 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                                 k,
                                 alpha: 1.0,
                             };
-                            for (row, on_device) in
-                                [("dense@cublas", true), ("dense@cublas-host", false)]
-                            {
-                                qerl_kernels::blas::set_device_ordering(on_device);
-                                let s = time(&c, iters, reps, || {
-                                    qerl_kernels::blas::products::<R, F>(&c, &[product]).unwrap();
-                                })?;
-                                push(row, m, s, (2 * n * k) as f64 + io, flops);
-                            }
-                            qerl_kernels::blas::set_device_ordering(ordering);
+                            let s = time(&c, iters, reps, || {
+                                qerl_kernels::blas::products::<R, F>(&c, &[product]).unwrap();
+                            })?;
+                            push("dense@cublas", m, s, (2 * n * k) as f64 + io, flops);
                         }
                         gemm::set_strategy(tuned_or_default);
                     }

@@ -4,76 +4,17 @@
 //! Why: burn's matmul tunes every new shape bucket by compiling and timing about a dozen
 //! candidate kernels. On an H100 (2026-11-27, `tools/device_compile_census.sh`, a 7B-shaped
 //! NVFP4 GRPO step on empty caches) that was 156 of the 346 kernels the first step compiled and
-//! 284 of its 345 seconds. cuBLAS compiles nothing.
-//!
-//! cubecl does not expose its stream, so cuBLAS runs on a stream of its own, ordered against
-//! cubecl's ([`device_ordering`]): by default on the device, through two flags in device memory
-//! and a one-unit wait kernel on cubecl's side, with no host round trip; with
-//! `QERL_CUBLAS_ORDER=host` (the first way, kept to measure against) through the host, which
-//! waits for cubecl's stream, then for the GEMMs, on every call. Either way a caller with
-//! several products should pass them in one call.
+//! 284 of its 345 seconds. cuBLAS compiles nothing. It costs a host round trip per call,
+//! because cubecl does not expose its stream (see [`crate::cublas`]), so a caller with several
+//! products to run should pass them in one call.
 //!
 //! [`products`] returns `Ok(false)`, launching nothing, where cuBLAS cannot run them (not CUDA,
 //! f32, libcublas missing). The caller then falls back to its own path.
-
-use std::sync::atomic::{AtomicU8, Ordering};
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use crate::device::{check_buffer, shape_err, KernelError};
-
-/// The environment variable that picks how cuBLAS is ordered against cubecl: `device` (the
-/// default) or `host`.
-pub const ORDER_ENV: &str = "QERL_CUBLAS_ORDER";
-
-static ORDER: AtomicU8 = AtomicU8::new(u8::MAX);
-
-/// Whether cuBLAS products are ordered against cubecl's stream on the device (flags in device
-/// memory, no host round trip) rather than through the host: the last
-/// [`set_device_ordering`], else [`ORDER_ENV`] (empty: `device`, unless a kernel profiler is
-/// injected); any other value is an error that names the variable.
-pub fn device_ordering() -> Result<bool, KernelError> {
-    Ok(match ORDER.load(Ordering::Relaxed) {
-        0 => false,
-        1 => true,
-        _ => {
-            let on = match std::env::var(ORDER_ENV).unwrap_or_default().as_str() {
-                "" => !kernel_profiler_attached(),
-                "device" => true,
-                "host" => false,
-                other => {
-                    return Err(KernelError::Vendor {
-                        what: format!("{ORDER_ENV}={other:?}: expected `device` or `host`"),
-                    })
-                }
-            };
-            set_device_ordering(on);
-            on
-        }
-    })
-}
-
-/// Whether a CUDA tool that replays kernels one at a time (Nsight Compute) is injected into
-/// this process. Under it the wait kernel on cubecl's side would never see the GEMM it waits
-/// for, so [`device_ordering`] defaults to the host there (Nsight Systems, which does not
-/// serialise kernels, keeps the device ordering).
-fn kernel_profiler_attached() -> bool {
-    let attached = std::env::var("CUDA_INJECTION64_PATH")
-        .is_ok_and(|p| !p.is_empty() && !p.to_ascii_lowercase().contains("nsight-systems"));
-    if attached {
-        eprintln!(
-            "qerl: a CUDA profiler is injected (CUDA_INJECTION64_PATH): cuBLAS is ordered \
-             through the host ({ORDER_ENV}=device overrides)"
-        );
-    }
-    attached
-}
-
-/// Sets [`device_ordering`] for every later product of this process (benchmarks time both).
-pub fn set_device_ordering(on: bool) {
-    ORDER.store(u8::from(on), Ordering::Relaxed);
-}
 
 /// `C[m, n] = alpha · op(A) · op(B)` for row-major matrices of one float type: `op(A)` is
 /// `[m, k]` (`A` is stored `[k, m]` when `a_t`), `op(B)` is `[k, n]` (`B` stored `[n, k]` when
@@ -97,7 +38,7 @@ pub fn available<R: Runtime, F: Float>(client: &ComputeClient<R>) -> bool {
 }
 
 /// Runs `products` in order (a later one may read an earlier one's `C`), after everything
-/// queued on `client` so far; every cubecl kernel queued after it sees their results. `Ok(false)` where cuBLAS cannot run
+/// queued on `client` so far; returns when they are done. `Ok(false)` where cuBLAS cannot run
 /// products of `F` here (nothing launched).
 pub fn products<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -134,9 +75,15 @@ fn run<R: Runtime, F: Float>(
     let gemms: Vec<Gemm<'_>> = products
         .iter()
         .map(|p| Gemm {
-            alpha: p.alpha,
+            shape: blas_shape(p.m, p.n, p.k, p.a_t, p.b_t),
             // Column-major, C stored row-major [m, n] is Cᵀ [n, m]: Cᵀ = op(B)ᵀ · op(A)ᵀ.
-            ..Gemm::new(blas_shape(p.m, p.n, p.k, p.a_t, p.b_t), (p.b, p.a, p.c)).types(ty, ty)
+            a: p.b,
+            b: p.a,
+            c: p.c,
+            ab_type: ty,
+            c_type: ty,
+            alpha: p.alpha,
+            beta: 0.0,
         })
         .collect();
     crate::cublas::run(client, &gemms)
@@ -154,7 +101,6 @@ fn run<R: Runtime, F: Float>(
 /// A row-major `[r, c]` matrix read column-major is its transpose `[c, r]` with leading
 /// dimension `c`: `B` stored `[k, n]` is already `op(B)ᵀ` (no transpose, ld `n`); stored
 /// `[n, k]` it needs one (ld `k`). Likewise `A` with `m`.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn blas_shape(m: usize, n: usize, k: usize, a_t: bool, b_t: bool) -> crate::dense::BlasShape {
     crate::dense::BlasShape {
         trans_a: b_t,

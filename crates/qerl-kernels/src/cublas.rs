@@ -6,23 +6,18 @@
 //! product to cuBLAS wins. libcublas is loaded at run time (cudarc's dynamic loading, the same
 //! way cubecl-cuda loads the driver and NVRTC); without it this path reports itself unavailable.
 //!
-//! cubecl does not expose its CUDA stream, so cuBLAS runs on a stream of its own, and [`run`]
-//! orders the two sides:
+//! cubecl does not expose its CUDA stream, so the two sides are ordered through the host, in
+//! this order ([`run`]):
 //! 1. take every buffer's device pointer (`get_resource`), which holds its memory and, for a
 //!    buffer last used on another cubecl stream (another host thread's `StreamId`), queues a wait
 //!    for that stream on the caller's;
-//! 2. make the GEMMs wait for the caller's cubecl stream, which now covers those waits too;
+//! 2. wait for the caller's cubecl stream, which now covers those waits too (a sync taken
+//!    before step 1, as this module first did, left another thread's producer unwaited);
 //! 3. run the GEMMs on our stream (same primary context, same device memory) under the
-//!    device's lock (one cuBLAS handle and stream serve every thread), and make every later
-//!    cubecl kernel wait for them before any pointer is released to cubecl's pool.
+//!    device's lock (one cuBLAS handle and stream serve every thread) and wait for them, also
+//!    when a launch fails, before any pointer is released to cubecl's pool.
 //!
-//! By default steps 2 and 3 wait on the device ([`crate::stream_order`]: a flag cubecl's stream
-//! sets and cuBLAS's stream waits for, then a flag cuBLAS's stream sets and a one-unit kernel on
-//! cubecl's stream waits for), so the host never blocks and the GPU never idles between the two
-//! sides. With `QERL_CUBLAS_ORDER=host`, or if the driver refuses the stream wait, both waits
-//! are on the host: sync cubecl's stream, launch, synchronize ours.
-//!
-//! The autotuner times these waits as part of the strategy, so it is picked only where it still
+//! The autotuner times these syncs as part of the strategy, so it is picked only where it still
 //! wins.
 
 use std::any::{Any, TypeId};
@@ -92,28 +87,6 @@ pub(crate) struct Gemm<'a> {
     pub beta: f32,
 }
 
-impl<'a> Gemm<'a> {
-    /// `C = op(A)·op(B)` in bf16 (see [`Gemm::types`]), `alpha` 1, `beta` 0.
-    pub(crate) fn new(shape: BlasShape, (a, b, c): (&'a Handle, &'a Handle, &'a Handle)) -> Self {
-        Gemm {
-            shape,
-            a,
-            b,
-            c,
-            ab_type: sys::cudaDataType::CUDA_R_16BF,
-            c_type: sys::cudaDataType::CUDA_R_16BF,
-            alpha: 1.0,
-            beta: 0.0,
-        }
-    }
-
-    /// The element types: `ab` for `A` and `B`, `c` for `C`.
-    pub(crate) fn types(mut self, ab: sys::cudaDataType, c: sys::cudaDataType) -> Self {
-        (self.ab_type, self.c_type) = (ab, c);
-        self
-    }
-}
-
 /// cuBLAS on one device. The handle and its stream are shared by every host thread (and by the
 /// autotuner, which runs candidates on cubecl's device thread), so `blas` is locked from the
 /// first launch until the stream has been waited for: a cuBLAS handle must not be used by two
@@ -156,77 +129,13 @@ fn elem_bytes(t: sys::cudaDataType) -> usize {
 }
 
 /// Runs `gemms` in order after everything queued on `client` so far (on any cubecl stream, for
-/// the buffers they touch); every cubecl kernel queued after it sees their results. See the
-/// module doc for the order.
+/// the buffers they touch); returns when they are done. See the module doc for the order.
 pub(crate) fn run<R: Runtime>(
     client: &ComputeClient<R>,
     gemms: &[Gemm<'_>],
 ) -> Result<(), KernelError> {
-    run_after(client, gemms, &mut || Ok(()))
-}
-
-/// [`run`] with the GEMMs' inputs still to be made: `produce` queues the cubecl work they need
-/// (the decode of a weight) just before them. Ordered on the device, everything (the buffers'
-/// pointers, `produce`'s launches, the flags, the cuBLAS calls) happens in one call on cubecl's
-/// device thread, so the caller waits for that thread once per product instead of once per
-/// buffer.
-pub(crate) fn run_after<R: Runtime>(
-    client: &ComputeClient<R>,
-    gemms: &[Gemm<'_>],
-    produce: &mut (dyn FnMut() -> Result<(), KernelError> + Send),
-) -> Result<(), KernelError> {
     let client = cuda_client(client).ok_or_else(|| err("cuBLAS needs the CUDA runtime"))?;
-    let mut produced = false;
-    if crate::blas::device_ordering()? {
-        let task = || run_device_ordered(client, gemms, produce);
-        let (ordered, made) = client
-            .exclusive(task)
-            .map_err(|e| err(format!("cubecl's device thread: {e:?}")))?;
-        produced = made;
-        match ordered {
-            Ordered::Done(result) => return result,
-            Ordered::Unavailable(why) => {
-                crate::blas::set_device_ordering(false);
-                eprintln!(
-                    "qerl: cuBLAS ordered on the device failed ({why}); ordering it through the host from now on"
-                );
-            }
-        }
-    }
-    if !produced {
-        produce()?;
-    }
-    let (held, launches) = pointers(client, gemms)?;
-    let Some(&(first, _, _)) = launches.first() else {
-        return Ok(());
-    };
-    let dev = device_blas(device_of(first)?)?;
-    // 2. Everything that writes or last read these buffers has finished on the device.
-    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
-    dev.ctx
-        .bind_to_thread()
-        .map_err(|e| err(format!("CUDA context: {e:?}")))?;
-    // 3. No cubecl call from here on: the device thread may need this lock (a tuning pass runs
-    // the cuBLAS candidate there).
-    let blas = dev.blas.lock().map_err(|_| err("cuBLAS handle poisoned"))?;
-    let launched = launch_all(&blas, gemms, &launches);
-    let waited = dev
-        .stream
-        .synchronize()
-        .map_err(|e| err(format!("cuBLAS stream: {e:?}")));
-    drop(blas);
-    // Only now may the pool hand these buffers to the next reservation.
-    drop(held);
-    launched.and(waited)
-}
-
-/// Step 1: every buffer's device pointer, each with the guard that keeps its memory out of the
-/// pool until dropped, checked against the extents its GEMM touches.
-#[allow(clippy::type_complexity)]
-fn pointers(
-    client: &ComputeClient<CudaRuntime>,
-    gemms: &[Gemm<'_>],
-) -> Result<(Vec<impl Sized>, Vec<(u64, u64, u64)>), KernelError> {
+    // 1. Pointers, each with the guard that keeps its memory out of the pool until we are done.
     let mut held = Vec::new();
     let mut ptr = |h: &Handle, need: usize, what: &str| -> Result<u64, KernelError> {
         let r = client
@@ -252,124 +161,38 @@ fn pointers(
         let c = ptr(g.c, ec * elem_bytes(g.c_type), "C")?;
         launches.push((a, b, c));
     }
-    Ok((held, launches))
-}
-
-/// The CUDA device a buffer of cubecl's lives on.
-fn device_of(ptr: u64) -> Result<usize, KernelError> {
+    let Some(&(first, _, _)) = launches.first() else {
+        return Ok(());
+    };
+    // 2. Everything that writes or last read these buffers has finished on the device.
+    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
     let mut ordinal: i32 = 0;
-    // SAFETY: `ptr` is a live device allocation of cubecl's (held by the caller); the attribute
-    // is an int.
+    // SAFETY: `first` is a live device allocation of cubecl's (held above); the attribute is an int.
     unsafe {
         cudarc::driver::sys::cuPointerGetAttribute(
             &mut ordinal as *mut i32 as *mut std::ffi::c_void,
             cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr,
+            first,
         )
         .result()
         .map_err(|e| err(format!("device of a buffer: {e:?}")))?;
     }
-    Ok(ordinal as usize)
-}
-
-/// What [`run_device_ordered`] did.
-enum Ordered {
-    /// The GEMMs ran (or failed) ordered on the device; nothing of theirs is left to wait for
-    /// on the host.
-    Done(Result<(), KernelError>),
-    /// The foreign stream could not be made to wait; no GEMM was launched.
-    Unavailable(String),
-}
-
-/// Steps 1-3 without a host round trip ([`crate::stream_order`]), on cubecl's device thread
-/// (where every cubecl call runs inline): the pointers, `produce`'s launches and a signal on
-/// cubecl's stream; on cuBLAS's stream a wait for it, the GEMMs and a write of `done`; then a
-/// wait for `done` on cubecl's stream. The buffer guards are released at the end: every later
-/// cubecl kernel, a reuse of their memory included, is queued behind that wait. Also returns
-/// whether `produce` ran.
-fn run_device_ordered(
-    client: &ComputeClient<CudaRuntime>,
-    gemms: &[Gemm<'_>],
-    produce: &mut (dyn FnMut() -> Result<(), KernelError> + Send),
-) -> (Ordered, bool) {
-    use cudarc::driver::sys::{
-        cuStreamWaitValue32_v2, cuStreamWriteValue32_v2, CUstreamWaitValue_flags,
-        CUstreamWriteValue_flags,
-    };
-    let (held, launches) = match pointers(client, gemms) {
-        Ok(p) => p,
-        Err(e) => return (Ordered::Done(Err(e)), false),
-    };
-    let Some(&(first, _, _)) = launches.first() else {
-        return (Ordered::Done(produce()), true);
-    };
-    let (ordinal, dev) = match device_of(first).and_then(|o| Ok((o, device_blas(o)?))) {
-        Ok(d) => d,
-        Err(e) => return (Ordered::Done(Err(e)), false),
-    };
-    let mut crossing = match crate::stream_order::begin(client, ordinal) {
-        Ok(c) => c,
-        Err(e) => return (Ordered::Unavailable(e.to_string()), false),
-    };
-    if let Err(e) = produce() {
-        return (Ordered::Done(Err(e)), true);
-    }
-    let ready = match crossing.signal(client) {
-        Ok(v) => v,
-        Err(e) => return (Ordered::Unavailable(e.to_string()), true),
-    };
-    let (ready_ptr, done_ptr) = match crossing.pointers(client) {
-        Ok(p) => p,
-        Err(e) => return (Ordered::Unavailable(e.to_string()), true),
-    };
-    if let Err(e) = dev.ctx.bind_to_thread() {
-        return (Ordered::Unavailable(format!("CUDA context: {e:?}")), true);
-    }
-    let Ok(blas) = dev.blas.lock() else {
-        return (Ordered::Done(Err(err("cuBLAS handle poisoned"))), true);
-    };
-    let stream = dev.stream.cu_stream();
-    // SAFETY: `ready` is a live u32 of cubecl's on this device; the signal that sets it has
-    // been launched (cubecl calls run inline on this thread).
-    let waiting = unsafe {
-        cuStreamWaitValue32_v2(
-            stream,
-            ready_ptr,
-            ready,
-            CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-        )
-    };
-    if let Err(e) = waiting.result() {
-        return (
-            Ordered::Unavailable(format!("cuStreamWaitValue32: {e:?}")),
-            true,
-        );
-    }
+    let dev = device_blas(ordinal as usize)?;
+    dev.ctx
+        .bind_to_thread()
+        .map_err(|e| err(format!("CUDA context: {e:?}")))?;
+    // 3. No cubecl call from here on: the device thread may need this lock (a tuning pass runs
+    // the cuBLAS candidate there).
+    let blas = dev.blas.lock().map_err(|_| err("cuBLAS handle poisoned"))?;
     let launched = launch_all(&blas, gemms, &launches);
-    // SAFETY: `done` is a live u32 of cubecl's on this device. The default flag fences the
-    // GEMMs' writes before this one.
-    let written = unsafe {
-        cuStreamWriteValue32_v2(
-            stream,
-            done_ptr,
-            ready,
-            CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-        )
-    }
-    .result()
-    .map_err(|e| err(format!("cuStreamWriteValue32: {e:?}")));
-    if launched.is_err() || written.is_err() {
-        // No wait is queued on cubecl's side: finish what was queued here before returning.
-        let waited = dev
-            .stream
-            .synchronize()
-            .map_err(|e| err(format!("cuBLAS stream: {e:?}")));
-        return (Ordered::Done(launched.and(written).and(waited)), true);
-    }
+    let waited = dev
+        .stream
+        .synchronize()
+        .map_err(|e| err(format!("cuBLAS stream: {e:?}")));
     drop(blas);
-    crossing.finish(client);
+    // Only now may the pool hand these buffers to the next reservation.
     drop(held);
-    (Ordered::Done(Ok(())), true)
+    launched.and(waited)
 }
 
 fn op(transposed: bool) -> sys::cublasOperation_t {
@@ -448,17 +271,8 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     if (lora.is_none() && bias.is_none()) || k > n {
         // the plain product (then the extra columns' own GEMM) on the decoded weight
         let w = client.empty(n * k * size);
-        let extra = extra_operands::<R, F>(client, m, n, bias, lora)?;
-        let mut gemms = vec![Gemm::new(BlasShape::forward(m, n, k), (&w, x, y)).types(ty, ty)];
-        if let Some((ew, ex, ld)) = &extra {
-            gemms.push(Gemm {
-                beta: 1.0,
-                ..Gemm::new(BlasShape::forward(m, n, *ld), (ew, ex, y)).types(ty, ty)
-            });
-        }
-        return run_after(client, &gemms, &mut || {
-            dense::dequantize_rows::<R, F>(client, weight, &w, k)
-        });
+        dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
+        return dense_forward::<R, F, F>(client, x, m, &w, n, k, bias, lora, y);
     }
     let rank = lora.map_or(0, |l| l.2);
     let (bias_w, bias_x) = match bias {
@@ -469,40 +283,21 @@ pub(crate) fn forward<R: Runtime, F: Float>(
     let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
     let ld = dense::widened_ld(k, rank, bias.is_some());
     let w = client.empty(n * ld * size);
+    dense::dequantize_rows::<R, F>(client, weight, &w, ld)?;
     dense::widen::<R, F, F>(client, None, tail_w, bias_w, &w, n, k, ld)?;
     let xw = client.empty(m * ld * size);
     dense::widen::<R, F, f32>(client, Some(x), tail_x, bias_x, &xw, m, k, ld)?;
-    let gemm = Gemm::new(BlasShape::forward(m, n, ld), (&w, &xw, y)).types(ty, ty);
-    run_after(client, &[gemm], &mut || {
-        dense::dequantize_rows::<R, F>(client, weight, &w, ld)
-    })
-}
-
-/// The two small operands of the extra columns' GEMM (`[s·T | 1 | 0..]` for the rows of `X`,
-/// `[B | bias | 0..]` for the rows of `W`) and their row stride; `None` without bias and LoRA.
-fn extra_operands<R: Runtime, F: Float>(
-    client: &ComputeClient<R>,
-    m: usize,
-    n: usize,
-    bias: Option<&Handle>,
-    lora: Option<(&Handle, &Handle, usize, f32)>,
-) -> Result<Option<(Handle, Handle, usize)>, KernelError> {
-    if lora.is_none() && bias.is_none() {
-        return Ok(None);
-    }
-    let size = std::mem::size_of::<F>();
-    let (bias_w, bias_x) = match bias {
-        Some(b) => (ExtraColumn::PerRow(b), ExtraColumn::Ones),
-        None => (ExtraColumn::None, ExtraColumn::None),
+    let gemm = Gemm {
+        shape: BlasShape::forward(m, n, ld),
+        a: &w,
+        b: &xw,
+        c: y,
+        ab_type: ty,
+        c_type: ty,
+        alpha: 1.0,
+        beta: 0.0,
     };
-    let ld = dense::widened_ld(0, lora.map_or(0, |l| l.2), bias.is_some());
-    let extra_w = client.empty(n * ld * size);
-    let tail_w = lora.map(|(_, b, r, _)| (b, r, 1.0));
-    dense::widen::<R, F, F>(client, None, tail_w, bias_w, &extra_w, n, 0, ld)?;
-    let extra_x = client.empty(m * ld * size);
-    let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
-    dense::widen::<R, F, f32>(client, None, tail_x, bias_x, &extra_x, m, 0, ld)?;
-    Ok(Some((extra_w, extra_x, ld)))
+    run(client, &[gemm])
 }
 
 /// `Y[M, N] = X · Dᵀ (+ bias) (+ s·T·Bᵀ)` for a dense row-major `D [N, K]` in `F`, `Y` in `O`
@@ -522,15 +317,35 @@ pub(crate) fn dense_forward<R: Runtime, F: Float, O: Float>(
 ) -> Result<(), KernelError> {
     let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
     let out = output_type::<O>().ok_or_else(|| err("cuBLAS writes bf16, f16 or f32 only"))?;
-    let mut gemms = vec![Gemm::new(BlasShape::forward(m, n, k), (d, x, y)).types(ty, out)];
-    let extra = extra_operands::<R, F>(client, m, n, bias, lora)?;
-    if let Some((ew, ex, ld)) = &extra {
-        gemms.push(Gemm {
-            beta: 1.0,
-            ..Gemm::new(BlasShape::forward(m, n, *ld), (ew, ex, y)).types(ty, out)
-        });
+    let gemm = |ld: usize, a, b, beta| Gemm {
+        shape: BlasShape::forward(m, n, ld),
+        a,
+        b,
+        c: y,
+        ab_type: ty,
+        c_type: out,
+        alpha: 1.0,
+        beta,
+    };
+    if lora.is_none() && bias.is_none() {
+        return run(client, &[gemm(k, d, x, 0.0)]);
     }
-    run(client, &gemms)
+    let size = std::mem::size_of::<F>();
+    let (bias_w, bias_x) = match bias {
+        Some(b) => (ExtraColumn::PerRow(b), ExtraColumn::Ones),
+        None => (ExtraColumn::None, ExtraColumn::None),
+    };
+    let ld = dense::widened_ld(0, lora.map_or(0, |l| l.2), bias.is_some());
+    let extra_w = client.empty(n * ld * size);
+    let tail_w = lora.map(|(_, b, r, _)| (b, r, 1.0));
+    dense::widen::<R, F, F>(client, None, tail_w, bias_w, &extra_w, n, 0, ld)?;
+    let extra_x = client.empty(m * ld * size);
+    let tail_x = lora.map(|(t, _, r, s)| (t, r, s));
+    dense::widen::<R, F, f32>(client, None, tail_x, bias_x, &extra_x, m, 0, ld)?;
+    run(
+        client,
+        &[gemm(k, d, x, 0.0), gemm(ld, &extra_w, &extra_x, 1.0)],
+    )
 }
 
 /// `dX[M, K] = dY[M, N] · deq(W)[N, K]` through a dense `W` and cuBLAS.
@@ -544,8 +359,16 @@ pub(crate) fn transposed<R: Runtime, F: Float>(
     let ty = data_type::<F>().ok_or_else(|| err("cuBLAS runs bf16 and f16 products only"))?;
     let (n, k) = (weight.n, weight.k);
     let w = client.empty(n * k * std::mem::size_of::<F>());
-    let gemm = Gemm::new(BlasShape::transposed(m, n, k), (&w, dy, dx)).types(ty, ty);
-    run_after(client, &[gemm], &mut || {
-        dense::dequantize_rows::<R, F>(client, weight, &w, k)
-    })
+    dense::dequantize_rows::<R, F>(client, weight, &w, k)?;
+    let gemm = Gemm {
+        shape: BlasShape::transposed(m, n, k),
+        a: &w,
+        b: dy,
+        c: dx,
+        ab_type: ty,
+        c_type: ty,
+        alpha: 1.0,
+        beta: 0.0,
+    };
+    run(client, &[gemm])
 }

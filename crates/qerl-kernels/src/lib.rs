@@ -31,8 +31,6 @@ mod gemm_tc;
 mod gemv;
 pub mod rms_norm;
 mod splitk;
-#[cfg(feature = "cuda")]
-mod stream_order;
 mod tune;
 pub mod upload;
 #[cfg(feature = "cuda")]

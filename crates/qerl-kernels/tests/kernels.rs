@@ -622,13 +622,12 @@ pub fn blas_products<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
     }
 }
 
-/// cuBLAS ordered against cubecl's stream, both ways ([`qerl_kernels::blas::device_ordering`]
-/// on and off): per round, slow cubecl copies keep the stream busy, a cubecl copy writes the
-/// round's `A` into a buffer every round reuses, cuBLAS computes `C = A·B` into another reused
-/// buffer, and a cubecl copy takes `C` into the round's own output. Nothing is waited for on
-/// the host until every round is queued. A GEMM that starts before its producers finish reads
-/// the previous round's `A`; a consumer that runs before the GEMM ends copies the previous
-/// round's `C`; either fails the round against the host.
+/// cuBLAS ordered against cubecl's stream: per round, slow cubecl copies keep the stream busy, a
+/// cubecl copy writes the round's `A` into a buffer every round reuses, cuBLAS computes
+/// `C = A·B` into another reused buffer, and a cubecl copy takes `C` into the round's own
+/// output. Nothing is read back until every round is queued. A GEMM that starts before its
+/// producers finish reads the previous round's `A`; a consumer that runs before the GEMM ends
+/// copies the previous round's `C`; either fails the round against the host.
 pub fn blas_ordering<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
     use qerl_kernels::blas::{self, DenseProduct};
     use qerl_kernels::dense::{widen, ExtraColumn};
@@ -660,9 +659,7 @@ pub fn blas_ordering<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
     );
     let b = normal(&mut rng, k * n, 1.0);
     let (rb, bh) = (rounded::<F>(&b), upload::<R, F>(&c, &b));
-    let initial = blas::device_ordering().expect("QERL_CUBLAS_ORDER");
-    for on_device in [true, false] {
-        blas::set_device_ordering(on_device);
+    {
         let (a_live, c_live) = (poisoned::<R, F>(&c, m * k), poisoned::<R, F>(&c, m * n));
         let mut cases = Vec::new();
         for _ in 0..rounds {
@@ -696,11 +693,10 @@ pub fn blas_ordering<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
                         .sum()
                 })
                 .collect();
-            let what = format!("blas ordering (device {on_device}), round {round}");
+            let what = format!("blas ordering, round {round}");
             assert_close(&what, &read::<R, F>(&c, out), &want, tol, seed);
         }
     }
-    blas::set_device_ordering(initial);
 }
 
 /// The dense operands of the cuBLAS strategy, on any runtime: `deq(W)` at a row stride wider

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One device call for the update products on dequantize + cuBLAS (issue 16): correctness of
-# cuBLAS ordered against cubecl on the device first, then the products at M >= 1024 with each
-# ordering (and their parts: the decode, cuBLAS on a decoded weight) beside torch's cuBLAS bf16,
-# the table last. Binaries are built here and carried in .device-k/bins.tgz:
+# One device call for the update products on dequantize + cuBLAS (issue 16): correctness first
+# (the strategy stress test, cuBLAS against cubecl's stream, every strategy), then the products
+# at M >= 1024 and their parts (the decode, cuBLAS on a decoded weight) beside torch's cuBLAS
+# bf16, the table last. Binaries are built here and carried in .device-k/bins.tgz:
 #   export CARGO_TARGET_DIR=/work/target-rel
 #   cargo build --release -p qerl-bench --features cuda
 #   cargo test --release -p qerl-kernels --features cuda --test kernels --test strategy_stress --no-run
 #   mkdir -p .device-k/b && cp $CARGO_TARGET_DIR/release/qerl-kernel-bench .device-k/b/
 #   cp <deps>/kernels-<hash> .device-k/b/kernels; cp <deps>/strategy_stress-<hash> .device-k/b/strategy_stress
 #   strip .device-k/b/* && tar czf .device-k/bins.tgz -C .device-k/b . && rm -r .device-k/b
-# there: bash tools/device_cublas_order.sh
+# there: bash tools/device_update_products.sh
 # Env: M (rows, 1024,2048,4096), MODELS (qwen2.5-7b,qwen2.5-32b), T_STRESS (seconds, 200;
 #   0 skips the stress test).
 set -uo pipefail
