@@ -84,6 +84,7 @@ fn run<R: Runtime, F: Float>(
             c_type: ty,
             alpha: p.alpha,
             beta: 0.0,
+            batched: None,
         })
         .collect();
     crate::cublas::run(client, &gemms)
@@ -101,7 +102,14 @@ fn run<R: Runtime, F: Float>(
 /// A row-major `[r, c]` matrix read column-major is its transpose `[c, r]` with leading
 /// dimension `c`: `B` stored `[k, n]` is already `op(B)ᵀ` (no transpose, ld `n`); stored
 /// `[n, k]` it needs one (ld `k`). Likewise `A` with `m`.
-fn blas_shape(m: usize, n: usize, k: usize, a_t: bool, b_t: bool) -> crate::dense::BlasShape {
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn blas_shape(
+    m: usize,
+    n: usize,
+    k: usize,
+    a_t: bool,
+    b_t: bool,
+) -> crate::dense::BlasShape {
     crate::dense::BlasShape {
         trans_a: b_t,
         trans_b: a_t,

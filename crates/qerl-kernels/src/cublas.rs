@@ -61,7 +61,7 @@ pub(crate) fn data_type<F: 'static>() -> Option<sys::cudaDataType> {
 
 /// The cuBLAS type of an output element `O`: as [`data_type`], plus f32 (a bf16 product into f32
 /// logits).
-fn output_type<O: 'static>() -> Option<sys::cudaDataType> {
+pub(crate) fn output_type<O: 'static>() -> Option<sys::cudaDataType> {
     match TypeId::of::<O>() == TypeId::of::<f32>() {
         true => Some(sys::cudaDataType::CUDA_R_32F),
         false => data_type::<O>(),
@@ -85,6 +85,16 @@ pub(crate) struct Gemm<'a> {
     pub c_type: sys::cudaDataType,
     pub alpha: f32,
     pub beta: f32,
+    /// Several products of one shape at fixed strides (`None`: one product at offset 0).
+    pub batched: Option<Batched>,
+}
+
+/// `count` products, the `i`-th on `A`, `B`, `C` at `offsets + i·strides` elements.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Batched {
+    pub count: usize,
+    pub offsets: [usize; 3],
+    pub strides: [usize; 3],
 }
 
 /// cuBLAS on one device. The handle and its stream are shared by every host thread (and by the
@@ -155,10 +165,17 @@ pub(crate) fn run<R: Runtime>(
     let mut launches = Vec::with_capacity(gemms.len());
     for g in gemms {
         let (ea, eb, ec) = g.shape.extents();
-        let ab = elem_bytes(g.ab_type);
-        let a = ptr(g.a, ea * ab, "A")?;
-        let b = ptr(g.b, eb * ab, "B")?;
-        let c = ptr(g.c, ec * elem_bytes(g.c_type), "C")?;
+        let (ab, cb) = (elem_bytes(g.ab_type), elem_bytes(g.c_type));
+        let bt = g.batched.unwrap_or(Batched {
+            count: 1,
+            offsets: [0; 3],
+            strides: [0; 3],
+        });
+        // the last product's start plus its extent
+        let end = |e: usize, i: usize| bt.offsets[i] + (bt.count - 1) * bt.strides[i] + e;
+        let a = ptr(g.a, end(ea, 0) * ab, "A")? + (bt.offsets[0] * ab) as u64;
+        let b = ptr(g.b, end(eb, 1) * ab, "B")? + (bt.offsets[1] * ab) as u64;
+        let c = ptr(g.c, end(ec, 2) * cb, "C")? + (bt.offsets[2] * cb) as u64;
         launches.push((a, b, c));
     }
     let Some(&(first, _, _)) = launches.first() else {
@@ -216,32 +233,67 @@ fn launch_all(
         if dims.iter().any(|&d| d == 0 || d > i32::MAX as usize) {
             return Err(err(format!("cuBLAS dimensions out of range: {dims:?}")));
         }
-        // SAFETY: the pointers are live cubecl allocations of the checked sizes, held by the
-        // caller until the stream has been waited for; alpha and beta are host f32 (the handle's
-        // default pointer mode) matching CUBLAS_COMPUTE_32F.
+        let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+        let (alpha, beta) = (
+            &g.alpha as *const f32 as *const _,
+            &g.beta as *const f32 as *const _,
+        );
+        let what = |e| err(format!("cuBLAS GEMM {}x{}x{}: {e:?}", s.m, s.n, s.k));
+        // SAFETY: the pointers are live cubecl allocations of the checked sizes (every product
+        // of a batch included), held by the caller until the stream has been waited for; alpha
+        // and beta are host f32 (the handle's default pointer mode) matching CUBLAS_COMPUTE_32F.
         unsafe {
-            blas::gemm_ex(
-                *blas.handle(),
-                op(s.trans_a),
-                op(s.trans_b),
-                s.m as i32,
-                s.n as i32,
-                s.k as i32,
-                &g.alpha as *const f32 as *const _,
-                a as *const _,
-                g.ab_type,
-                s.lda as i32,
-                b as *const _,
-                g.ab_type,
-                s.ldb as i32,
-                &g.beta as *const f32 as *const _,
-                c as *mut _,
-                g.c_type,
-                s.ldc as i32,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-            .map_err(|e| err(format!("cublasGemmEx {}x{}x{}: {e:?}", s.m, s.n, s.k)))?;
+            match g.batched {
+                None => blas::gemm_ex(
+                    *blas.handle(),
+                    op(s.trans_a),
+                    op(s.trans_b),
+                    s.m as i32,
+                    s.n as i32,
+                    s.k as i32,
+                    alpha,
+                    a as *const _,
+                    g.ab_type,
+                    s.lda as i32,
+                    b as *const _,
+                    g.ab_type,
+                    s.ldb as i32,
+                    beta,
+                    c as *mut _,
+                    g.c_type,
+                    s.ldc as i32,
+                    compute,
+                    algo,
+                )
+                .map_err(what)?,
+                Some(bt) => blas::gemm_strided_batched_ex(
+                    *blas.handle(),
+                    op(s.trans_a),
+                    op(s.trans_b),
+                    s.m as i32,
+                    s.n as i32,
+                    s.k as i32,
+                    alpha,
+                    a as *const _,
+                    g.ab_type,
+                    s.lda as i32,
+                    bt.strides[0] as i64,
+                    b as *const _,
+                    g.ab_type,
+                    s.ldb as i32,
+                    bt.strides[1] as i64,
+                    beta,
+                    c as *mut _,
+                    g.c_type,
+                    s.ldc as i32,
+                    bt.strides[2] as i64,
+                    bt.count as i32,
+                    compute,
+                    algo,
+                )
+                .map_err(what)?,
+            }
         }
     }
     Ok(())
@@ -296,6 +348,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         c_type: ty,
         alpha: 1.0,
         beta: 0.0,
+        batched: None,
     };
     run(client, &[gemm])
 }
@@ -326,6 +379,7 @@ pub(crate) fn dense_forward<R: Runtime, F: Float, O: Float>(
         c_type: out,
         alpha: 1.0,
         beta,
+        batched: None,
     };
     if lora.is_none() && bias.is_none() {
         return run(client, &[gemm(k, d, x, 0.0)]);
@@ -369,6 +423,7 @@ pub(crate) fn transposed<R: Runtime, F: Float>(
         c_type: ty,
         alpha: 1.0,
         beta: 0.0,
+        batched: None,
     };
     run(client, &[gemm])
 }

@@ -255,6 +255,28 @@ pub fn forward_backward<R: Runtime, F: Float + CubeElement>(
     if !supported::<R, F>(&c) {
         return;
     }
+    // On CUDA, bf16/f16 take cuBLAS: once as planned (every item in one chunk at these shapes),
+    // once a chunk per item (the offsets of later chunks).
+    #[cfg(feature = "cuda")]
+    let chunkings = [None, Some(1)];
+    #[cfg(not(feature = "cuda"))]
+    let chunkings = [None];
+    for chunking in chunkings {
+        #[cfg(feature = "cuda")]
+        attention::blas::set_items_per_chunk(chunking);
+        check_cases::<R, F>(&c, tol_fwd, tol_bwd, chunking);
+    }
+    #[cfg(feature = "cuda")]
+    attention::blas::set_items_per_chunk(None);
+}
+
+fn check_cases<R: Runtime, F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    tol_fwd: f64,
+    tol_bwd: f64,
+    chunking: Option<usize>,
+) {
+    let c = c.clone();
     let (mut rng, seed) = fresh_rng();
     for case in CASES {
         let p = problem::<F>(&mut rng, case);
@@ -270,7 +292,7 @@ pub fn forward_backward<R: Runtime, F: Float + CubeElement>(
         let out = poisoned::<R, F>(&c, qn);
         let lse = poisoned::<R, f32>(&c, rows);
         attention::forward::<R, F>(&c, &s, &q, &k, &v, &bounds, &out, &lse).unwrap();
-        let what = format!("{case:?} {:?}", p.ranges);
+        let what = format!("{case:?} {:?}, items a chunk {chunking:?}", p.ranges);
         let got_out = read::<R, F>(&c, &out);
         assert_close(&format!("out {what}"), &got_out, &want.out, tol_fwd, seed);
         let got_lse = read::<R, f32>(&c, &lse);

@@ -9,12 +9,16 @@
 //! forward and a prefill). Right padding is `start = 0, end = length`; left padding is
 //! `start = pad, end = seq`. A query that sees no key gets a zero output and gradient.
 //!
-//! Kernels use shared memory and per-unit loops only (no plane operations, no tensor cores), so
-//! they run on lavapipe as on CUDA; every operand is widened to f32 in shared memory and every
+//! On CUDA with bf16/f16 and cuBLAS, both directions run on cuBLAS instead ([`blas`]: the scores
+//! of a few sequences at a time in f32, the products on the tensor cores; `QERL_ATTENTION=fused`
+//! keeps the kernels below). The fused kernels use shared memory and per-unit loops only (no
+//! plane operations, no tensor cores), so they run on lavapipe as on CUDA; every operand is widened to f32 in shared memory and every
 //! sum accumulates in f32, whatever `F` (f32, f16, bf16). Tiles are chosen per head size to fit
 //! the device's shared memory ([`Tiles`]).
 
 mod backward;
+#[cfg(feature = "cuda")]
+pub mod blas;
 mod forward;
 
 use cubecl::prelude::*;
@@ -184,6 +188,12 @@ pub fn forward<R: Runtime, F: Float + CubeElement>(
         out,
         shape.q_len() * std::mem::size_of::<F>(),
     )?;
+    #[cfg(feature = "cuda")]
+    if blas::usable::<R, F>(client)
+        && blas::forward::<R, F>(client, shape, q, k, v, bounds, out, lse)?
+    {
+        return Ok(());
+    }
     let s = shape;
     let (bq, bk) = Tiles::for_device(client, s.head_dim)?.forward;
     // SAFETY: buffer sizes checked above; the kernel bounds every index by `seq`, `head_dim`
@@ -251,6 +261,24 @@ pub fn backward<R: Runtime, F: Float + CubeElement>(
             s.rows() as u32,
             s.head_dim,
         );
+    }
+    #[cfg(feature = "cuda")]
+    if blas::usable::<R, F>(client)
+        && blas::backward::<R, F>(
+            client,
+            s,
+            (q, k, v),
+            bounds,
+            lse,
+            &dvec,
+            d_out,
+            (dq, dk, dv),
+        )?
+    {
+        return Ok(());
+    }
+    // SAFETY: as above.
+    unsafe {
         let (bq, bk) = tiles.forward;
         backward::dq_kernel::launch_unchecked::<F, R>(
             client,
