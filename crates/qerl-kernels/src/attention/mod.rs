@@ -9,12 +9,12 @@
 //! forward and a prefill). Right padding is `start = 0, end = length`; left padding is
 //! `start = pad, end = seq`. A query that sees no key gets a zero output and gradient.
 //!
-//! On CUDA with bf16/f16 and cuBLAS, both directions run on cuBLAS instead ([`blas`]: the scores
+//! On CUDA with bf16/f16 and cuBLAS, both directions run on cuBLAS instead (`blas`: the scores
 //! of a few sequences at a time in f32, the products on the tensor cores; `QERL_ATTENTION=fused`
 //! keeps the kernels below). The fused kernels use shared memory and per-unit loops only (no
-//! plane operations, no tensor cores), so they run on lavapipe as on CUDA; every operand is widened to f32 in shared memory and every
-//! sum accumulates in f32, whatever `F` (f32, f16, bf16). Tiles are chosen per head size to fit
-//! the device's shared memory ([`Tiles`]).
+//! plane operations, no tensor cores), so they run on lavapipe as on CUDA; every operand is
+//! widened to f32 in shared memory and every sum accumulates in f32, whatever `F` (f32, f16,
+//! bf16). Tiles are chosen per head size to fit the device's shared memory ([`Tiles`]).
 
 mod backward;
 #[cfg(feature = "cuda")]
