@@ -39,8 +39,8 @@ struct Args {
     /// (nvfp4); `tc` times matmul at 8 < M <= 16 on the tensor-core path instead of the decode
     /// kernel; `strategies` times matmul, dX and LoRA (rank 16) at M > 16 (nvfp4) with each
     /// strategy alone (`@tc`: tensor-core kernel, tiles by cube count; `@cublas`: dequantize +
-    /// cuBLAS), and its parts: `dense@cublas` (cuBLAS on an already decoded weight) and `dequant_rows`
-    /// (the decode into it), beside the rows `matmul`, `dx`, `lora16` of `--strategy`.
+    /// cuBLAS) and its parts, `dense@cublas` (cuBLAS on an already decoded weight) and
+    /// `dequant_rows` (the decode into it), beside the rows `matmul`, `dx`, `lora16` of `--strategy`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -129,9 +129,16 @@ fn lora_product<R: Runtime>(
     gemm::matmul::<R, F>(c, x, m, w, None, Some(l), y).unwrap();
 }
 
-/// The row name of a product timed with one strategy alone (`matmul@cublas-p4`).
+/// The row name of a product timed with one strategy alone.
 fn strategy_row(product: &str, strategy: &str) -> &'static str {
-    Box::leak(format!("{product}@{strategy}").into_boxed_str())
+    match (product, strategy) {
+        ("matmul", "tc") => "matmul@tc",
+        ("matmul", _) => "matmul@cublas",
+        ("dx", "tc") => "dx@tc",
+        ("dx", _) => "dx@cublas",
+        (_, "tc") => "lora16@tc",
+        _ => "lora16@cublas",
+    }
 }
 
 /// Median device time of one launch of `f` (the first call, which may tune, is not timed).
