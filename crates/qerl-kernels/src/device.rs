@@ -219,6 +219,17 @@ pub(crate) fn grid_1d(cubes: usize) -> CubeCount {
     CubeCount::Static(x, cubes.div_ceil(x), 1)
 }
 
+/// The widest vector (of 8, 4, 2, 1 elements, at most 16 bytes) that divides `len` and the
+/// runtime allows.
+pub(crate) fn vector_width<R: Runtime, F: Float>(client: &ComputeClient<R>, len: usize) -> usize {
+    let max = client.properties().hardware.max_vector_size.max(1);
+    let bytes = std::mem::size_of::<F>();
+    [8usize, 4, 2, 1]
+        .into_iter()
+        .find(|&v| v * bytes <= 16 && v <= max && len.is_multiple_of(v))
+        .unwrap_or(1)
+}
+
 /// Linear index of this cube in a [`grid_1d`] grid (may exceed the requested count on the last row).
 #[cube]
 pub(crate) fn linear_cube() -> usize {

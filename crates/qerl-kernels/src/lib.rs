@@ -11,6 +11,10 @@
 //! * [`attention`]: fused causal attention with per-row key ranges (padding) and grouped-query
 //!   heads, forward (saving the log-sum-exp per query) and backward, flash-attention style.
 //! * [`rms_norm`]: fused noisy RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ (w + z)`, forward and backward.
+//! * [`rope`]: rotary position embedding fused with the move of the heads to the front
+//!   (`[tokens, heads·d]` -> `[batch, heads, seq, d]`), forward and backward.
+//! * [`silu_mul`]: the SwiGLU gate `h = silu(g) ⊙ u`, forward and backward, one element-wise
+//!   kernel each.
 //!
 //! Every kernel accumulates in f32 whatever the activation type `F` (f32/f16 on wgpu, bf16 on
 //! CUDA). Weights live on the device as a [`DeviceWeight`]: 4-bit codes packed eight to a `u32`
@@ -30,6 +34,8 @@ mod gemm_mma;
 mod gemm_tc;
 mod gemv;
 pub mod rms_norm;
+pub mod rope;
+pub mod silu_mul;
 mod splitk;
 mod tune;
 pub mod upload;

@@ -9,7 +9,7 @@
 //! writing whole vectors (8 bf16 = 16 bytes on CUDA, 4 on wgpu, narrower when `D` needs it).
 //! The weight gradient sums over rows in slices of 64 rows, then over the slices, in order.
 
-use crate::device::{check_buffer, grid_1d, linear_cube, shape_err, KernelError};
+use crate::device::{check_buffer, grid_1d, linear_cube, shape_err, vector_width, KernelError};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
@@ -203,16 +203,6 @@ fn backward_dw_sum_kernel<F: Float>(part: &Array<f32>, dw: &mut Array<F>, slices
     }
 }
 
-/// The widest vector (of 8, 4, 2, 1 elements) that divides `dim` and the runtime allows.
-fn width<R: Runtime, F: Float>(client: &ComputeClient<R>, dim: usize) -> usize {
-    let max = client.properties().hardware.max_vector_size.max(1);
-    let bytes = std::mem::size_of::<F>();
-    [8usize, 4, 2, 1]
-        .into_iter()
-        .find(|&v| v * bytes <= 16 && v <= max && dim.is_multiple_of(v))
-        .unwrap_or(1)
-}
-
 /// Forward: `x`, `y` `[rows, dim]`, `w` and the optional noise `z` `[dim]` of `F`; `rstd`
 /// `[rows]` f32 receives `1 / sqrt(mean(x²) + eps)` for [`backward`].
 #[allow(clippy::too_many_arguments)]
@@ -241,7 +231,7 @@ pub fn forward<R: Runtime, F: Float>(
             format!("empty input [{rows}, {dim}]"),
         ));
     }
-    let vs = width::<R, F>(client, dim);
+    let vs = vector_width::<R, F>(client, dim);
     // SAFETY: sizes checked above; the kernel bounds rows and columns (dim % vs == 0).
     unsafe {
         forward_kernel::launch_unchecked::<F, R>(
@@ -294,7 +284,7 @@ pub fn backward<R: Runtime, F: Float>(
             format!("empty input [{rows}, {dim}]"),
         ));
     }
-    let vs = width::<R, F>(client, dim);
+    let vs = vector_width::<R, F>(client, dim);
     let slices = rows.div_ceil(DW_ROWS);
     let part = client.empty(slices * dim * 4);
     // SAFETY: sizes checked above (the slice sums are ours); the kernels bound rows, columns

@@ -13,7 +13,8 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use qerl_format::{QuantFormat, QuantizedWeight, SourceDtype};
-use qerl_kernels::{dequant, gemm, rms_norm, DeviceWeight};
+use qerl_kernels::rope::{self, RopeShape};
+use qerl_kernels::{dequant, gemm, rms_norm, silu_mul, DeviceWeight};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
@@ -1651,6 +1652,167 @@ pub fn rms_norm_noise_reaches_output<R: Runtime, F: Float + CubeElement>(device:
     assert_close("noisy − clean = x̂ ⊙ z", &diff, &want, 0.05, seed);
 }
 
+/// f64 reference of the SwiGLU gate: `h = silu(g)·u` and, from `dh`, `dg`, `du` written from
+/// the derivative of `g / (1 + e^-g)` as a quotient (not the kernels' factored form).
+pub fn silu_mul_ref(g: &[f64], u: &[f64], dh: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let mut out = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..g.len() {
+        let (x, e) = (g[i], (-g[i]).exp());
+        let silu = x / (1.0 + e);
+        let dsilu = ((1.0 + e) + x * e) / ((1.0 + e) * (1.0 + e));
+        out.0.push(silu * u[i]);
+        out.1.push(dh[i] * u[i] * dsilu);
+        out.2.push(dh[i] * silu);
+    }
+    out
+}
+
+pub fn silu_mul_fwd_bwd<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) {
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    // lengths of every vector width (8, 4, 2, 1) and several cubes
+    for len in [8, 36, 18, 7, 4096 + 8, 3 * 18944] {
+        // wide gate values: the tails of σ (e^±12) as well as its middle
+        let g = normal(&mut rng, len, 4.0);
+        let u = normal(&mut rng, len, 1.0);
+        let dh = normal(&mut rng, len, 1.0);
+        let (gh, uh, dhh) = (
+            upload::<R, F>(&c, &g),
+            upload::<R, F>(&c, &u),
+            upload::<R, F>(&c, &dh),
+        );
+        let h = poisoned::<R, F>(&c, len);
+        silu_mul::forward::<R, F>(&c, &gh, &uh, len, &h).unwrap();
+        let (dg, du) = (poisoned::<R, F>(&c, len), poisoned::<R, F>(&c, len));
+        silu_mul::backward::<R, F>(&c, &gh, &uh, &dhh, len, &dg, &du).unwrap();
+        let (rh, rdg, rdu) = silu_mul_ref(&rounded::<F>(&g), &rounded::<F>(&u), &rounded::<F>(&dh));
+        let what = format!("silu_mul len={len}");
+        assert_close(&format!("{what} h"), &read::<R, F>(&c, &h), &rh, tol, seed);
+        assert_close(
+            &format!("{what} dg"),
+            &read::<R, F>(&c, &dg),
+            &rdg,
+            tol,
+            seed,
+        );
+        assert_close(
+            &format!("{what} du"),
+            &read::<R, F>(&c, &du),
+            &rdu,
+            tol,
+            seed,
+        );
+    }
+    // a buffer too small is refused, naming it
+    let small = poisoned::<R, F>(&c, 4);
+    let err = silu_mul::forward::<R, F>(&c, &small, &small, 1 << 20, &small).unwrap_err();
+    assert!(err.to_string().contains("g holds"), "{err}");
+}
+
+/// f64 reference of the fused RoPE: `x [tokens, heads·d]` -> `y [batch, heads, seq, d]`, and the
+/// backward `dy` -> `dx` as the transpose of the same linear map (element by element).
+pub fn rope_ref(
+    x: &[f64],
+    cos: &[f64],
+    sin: &[f64],
+    dy: &[f64],
+    shape: RopeShape,
+) -> (Vec<f64>, Vec<f64>) {
+    let RopeShape {
+        batch,
+        seq,
+        heads,
+        head_dim: d,
+    } = shape;
+    let h = d / 2;
+    let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+    for b in 0..batch {
+        for t in 0..seq {
+            let token = b * seq + t;
+            for hd in 0..heads {
+                let src = (token * heads + hd) * d;
+                let dst = ((b * heads + hd) * seq + t) * d;
+                for i in 0..d {
+                    // y[i] = x[i]·c[i] + rot(x)[i]·s[i], rot(x) = (−x[h..], x[..h])
+                    let (j, sign) = if i < h { (i + h, -1.0) } else { (i - h, 1.0) };
+                    let (c, s) = (cos[token * d + i], sin[token * d + i]);
+                    y[dst + i] = x[src + i] * c + sign * x[src + j] * s;
+                    // ∂y[i]/∂x[i] = c, ∂y[i]/∂x[j] = sign·s
+                    dx[src + i] += dy[dst + i] * c;
+                    dx[src + j] += dy[dst + i] * sign * s;
+                }
+            }
+        }
+    }
+    (y, dx)
+}
+
+pub fn rope_fwd_bwd<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) {
+        return;
+    }
+    let (mut rng, seed) = fresh_rng();
+    // head sizes of every vector width (half 64, 4, 2, 3), several cubes
+    for (batch, seq, heads, head_dim) in [
+        (2, 5, 3, 128),
+        (1, 7, 2, 8),
+        (3, 4, 5, 4),
+        (2, 3, 1, 6),
+        (4, 33, 4, 64),
+    ] {
+        let shape = RopeShape {
+            batch,
+            seq,
+            heads,
+            head_dim,
+        };
+        let (tokens, n) = (batch * seq, batch * seq * heads * head_dim);
+        let x = normal(&mut rng, n, 1.0);
+        let dy = normal(&mut rng, n, 1.0);
+        // any tables will do for the algebra: not only cos² + sin² = 1
+        let cos = normal(&mut rng, tokens * head_dim, 1.0);
+        let sin = normal(&mut rng, tokens * head_dim, 1.0);
+        let (xh, dyh, ch, sh) = (
+            upload::<R, F>(&c, &x),
+            upload::<R, F>(&c, &dy),
+            upload::<R, F>(&c, &cos),
+            upload::<R, F>(&c, &sin),
+        );
+        let (y, dx) = (poisoned::<R, F>(&c, n), poisoned::<R, F>(&c, n));
+        rope::forward::<R, F>(&c, &xh, &ch, &sh, shape, &y).unwrap();
+        rope::backward::<R, F>(&c, &dyh, &ch, &sh, shape, &dx).unwrap();
+        let (ry, rdx) = rope_ref(
+            &rounded::<F>(&x),
+            &rounded::<F>(&cos),
+            &rounded::<F>(&sin),
+            &rounded::<F>(&dy),
+            shape,
+        );
+        let what = format!("rope {shape:?}");
+        assert_close(&format!("{what} y"), &read::<R, F>(&c, &y), &ry, tol, seed);
+        assert_close(
+            &format!("{what} dx"),
+            &read::<R, F>(&c, &dx),
+            &rdx,
+            tol,
+            seed,
+        );
+    }
+    let shape = RopeShape {
+        batch: 1,
+        seq: 1,
+        heads: 1,
+        head_dim: 5,
+    };
+    let h = poisoned::<R, F>(&c, 8);
+    let err = rope::forward::<R, F>(&c, &h, &h, &h, shape, &h).unwrap_err();
+    assert!(err.to_string().contains("odd head size"), "{err}");
+}
+
 macro_rules! suite {
     ($name:ident, $runtime:ty, $device:expr, $float:ty, $tol:expr $(, #[$attr:meta])?) => {
         mod $name {
@@ -1691,6 +1853,10 @@ macro_rules! suite {
             $(#[$attr])? #[test]
             fn rms_norm_forward_backward() { super::rms_norm_fwd_bwd::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
+            fn rope_forward_backward() { super::rope_fwd_bwd::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn silu_mul_forward_backward() { super::silu_mul_fwd_bwd::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
             fn rms_norm_noise_reaches_output() {
                 super::rms_norm_noise_reaches_output::<R, F>(&$device)
             }
@@ -1724,6 +1890,66 @@ suite!(cuda_f16, cubecl::cuda::CudaRuntime, cubecl::cuda::CudaDevice::new(0), ha
 #[cfg(feature = "cuda")]
 suite!(cuda_f32, cubecl::cuda::CudaRuntime, cubecl::cuda::CudaDevice::new(0), f32, 1e-5,
     #[ignore = "needs a CUDA GPU: cargo test --features cuda -- --ignored cuda"]);
+
+/// The host reference of the RoPE backward is the transpose of its forward:
+/// `⟨y(x), dy⟩ = ⟨x, dx(dy)⟩` for random `x`, `dy` and tables.
+#[test]
+fn rope_reference_backward_is_the_transpose() {
+    let (mut rng, seed) = fresh_rng();
+    let shape = RopeShape {
+        batch: 2,
+        seq: 3,
+        heads: 2,
+        head_dim: 8,
+    };
+    let n = 2 * 3 * 2 * 8;
+    let to64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+    let (x, dy) = (
+        to64(normal(&mut rng, n, 1.0)),
+        to64(normal(&mut rng, n, 1.0)),
+    );
+    let (cos, sin) = (
+        to64(normal(&mut rng, 6 * 8, 1.0)),
+        to64(normal(&mut rng, 6 * 8, 1.0)),
+    );
+    let (y, dx) = rope_ref(&x, &cos, &sin, &dy, shape);
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f64>();
+    let (lhs, rhs) = (dot(&y, &dy), dot(&x, &dx));
+    assert!(
+        (lhs - rhs).abs() < 1e-9 * lhs.abs().max(1.0),
+        "{lhs} vs {rhs}, seed {seed}"
+    );
+}
+
+/// The host reference of the SwiGLU gate's backward agrees with central finite differences of
+/// its forward.
+#[test]
+fn silu_mul_reference_matches_finite_differences() {
+    let (mut rng, seed) = fresh_rng();
+    let to64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+    let (g, u, dh) = (
+        to64(normal(&mut rng, 64, 4.0)),
+        to64(normal(&mut rng, 64, 1.0)),
+        to64(normal(&mut rng, 64, 1.0)),
+    );
+    let (_, dg, du) = silu_mul_ref(&g, &u, &dh);
+    let h = 1e-6;
+    for i in 0..g.len() {
+        let f = |gi: f64, ui: f64| silu_mul_ref(&[gi], &[ui], &[0.0]).0[0] * dh[i];
+        let fd_g = (f(g[i] + h, u[i]) - f(g[i] - h, u[i])) / (2.0 * h);
+        let fd_u = (f(g[i], u[i] + h) - f(g[i], u[i] - h)) / (2.0 * h);
+        assert!(
+            (fd_g - dg[i]).abs() < 1e-6,
+            "dg[{i}]: fd {fd_g} vs {}, seed {seed}",
+            dg[i]
+        );
+        assert!(
+            (fd_u - du[i]).abs() < 1e-6,
+            "du[{i}]: fd {fd_u} vs {}, seed {seed}",
+            du[i]
+        );
+    }
+}
 
 /// The host reference of the RMSNorm backward agrees with central finite differences of its own
 /// forward, so the GPU checks above compare against a trustworthy gradient.

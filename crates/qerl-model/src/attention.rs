@@ -12,10 +12,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{activation::softmax, Bool, DType, Tensor, TensorData};
-use qerl_nn::{causal_attention, key_ranges, KeyRanges, Nvfp4Linear, QerlBackend};
+use qerl_nn::{causal_attention, key_ranges, rope_heads, KeyRanges, Nvfp4Linear, QerlBackend};
 
 use crate::batch::MASKED;
-use crate::rope::apply_rotary;
 
 /// The attention bias `[batch, 1, 1, seq, keys]` (f32) built on the device from the key mask
 /// (`[batch, keys]`, host): query `i` sits at column `offset + i` and sees key `j` when
@@ -181,15 +180,17 @@ impl<B: QerlBackend> Attention<B> {
         let [b, s, _] = x.dims();
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let heads = |t: Tensor<B, 3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2);
-        let q = apply_rotary(
-            heads(linear(&self.q_proj, x.clone(), step.lora), h),
+        let q = rope_heads(
+            linear(&self.q_proj, x.clone(), step.lora),
             &step.cos,
             &step.sin,
+            h,
         );
-        let k = apply_rotary(
-            heads(linear(&self.k_proj, x.clone(), step.lora), kv),
+        let k = rope_heads(
+            linear(&self.k_proj, x.clone(), step.lora),
             &step.cos,
             &step.sin,
+            kv,
         );
         let v = heads(linear(&self.v_proj, x, step.lora), kv);
 

@@ -3,8 +3,8 @@
 //! they differ only in which linears have biases (see [`ModelConfig::linears`]).
 
 use burn::module::{Module, Param};
-use burn::tensor::{activation::silu, Int, Tensor, TensorData};
-use qerl_nn::{NoisyRmsNorm, Nvfp4Linear, QerlBackend};
+use burn::tensor::{Int, Tensor, TensorData};
+use qerl_nn::{silu_mul, NoisyRmsNorm, Nvfp4Linear, QerlBackend};
 
 use crate::attention::{attention_bias, Attention, LayerCache, Step};
 use crate::batch::TokenBatch;
@@ -23,12 +23,12 @@ pub struct Mlp<B: QerlBackend> {
 impl<B: QerlBackend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>, lora: bool) -> Tensor<B, 3> {
         if lora {
-            let g = silu(self.gate_proj.forward(x.clone()));
-            self.down_proj.forward(g * self.up_proj.forward(x))
+            let g = self.gate_proj.forward(x.clone());
+            self.down_proj.forward(silu_mul(g, self.up_proj.forward(x)))
         } else {
-            let g = silu(self.gate_proj.forward_without_lora(x.clone()));
-            self.down_proj
-                .forward_without_lora(g * self.up_proj.forward_without_lora(x))
+            let g = self.gate_proj.forward_without_lora(x.clone());
+            let h = silu_mul(g, self.up_proj.forward_without_lora(x));
+            self.down_proj.forward_without_lora(h)
         }
     }
 }

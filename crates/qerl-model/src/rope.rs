@@ -7,7 +7,8 @@
 //!
 //! `inv_freq` follows transformers' `ROPE_INIT_FUNCTIONS` for `default`, `linear` and `llama3`,
 //! computed in f32 the way it does (then the angles `pos * inv_freq` in f32, their cosine and
-//! sine rounded to f32).
+//! sine rounded to f32). The rotation itself is [`qerl_nn::rope_heads`] (one kernel each way
+//! on the CubeCL backends).
 
 use burn::tensor::{backend::Backend, Tensor, TensorData};
 
@@ -105,19 +106,6 @@ impl Rope {
     }
 }
 
-/// Applies RoPE to `x` `[batch, heads, seq, head_dim]` with tables from [`Rope::tables`].
-pub fn apply_rotary<B: Backend>(
-    x: Tensor<B, 4>,
-    cos: &Tensor<B, 4>,
-    sin: &Tensor<B, 4>,
-) -> Tensor<B, 4> {
-    let [b, h, s, d] = x.dims();
-    let x1 = x.clone().slice([0..b, 0..h, 0..s, 0..d / 2]);
-    let x2 = x.clone().slice([0..b, 0..h, 0..s, d / 2..d]);
-    let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-    x * cos.clone() + rotated * sin.clone()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,11 +117,13 @@ mod tests {
         assert_eq!(rope.inv_freq(), &[1.0, 0.01]);
         let dev = Default::default();
         let (cos, sin) = rope.tables::<NdArray>(&[0, 3], 1, 2, &dev);
-        let x = Tensor::<NdArray, 4>::from_floats(
-            [[[[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]]]],
-            &dev,
-        );
-        let y: Vec<f32> = apply_rotary(x, &cos, &sin).into_data().to_vec().unwrap();
+        // [batch 1, seq 2, one head of 4]
+        let x =
+            Tensor::<NdArray, 3>::from_floats([[[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]]], &dev);
+        let y: Vec<f32> = qerl_nn::rope_heads(x, &cos, &sin, 1)
+            .into_data()
+            .to_vec()
+            .unwrap();
         // position 0: identity
         assert_eq!(&y[..4], &[1.0, 2.0, 3.0, 4.0]);
         // position 3: pairs (x[i], x[i+2]) rotated by 3 * inv_freq[i]

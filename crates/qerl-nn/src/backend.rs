@@ -153,6 +153,45 @@ pub trait QerlBackend: Backend {
         burn_lora_backward::<Self>(g, x, lora, want)
     }
 
+    /// RoPE of `x [batch·seq, heads·d]` with the tables `cos`, `sin` `[batch·seq, d]`, the
+    /// heads moved to the front: `[batch, heads, seq, d]` ([`crate::rope_heads`]). burn's ops
+    /// by default; the CubeCL backends run one kernel (`qerl_kernels::rope`).
+    fn rope_heads(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        shape: crate::RopeShape,
+    ) -> FloatTensor<Self> {
+        crate::rope::burn_forward::<Self>(x, cos, sin, shape)
+    }
+
+    /// Backward of [`rope_heads`](Self::rope_heads): `dy [batch, heads, seq, d]` ->
+    /// `dx [batch·seq, heads·d]`.
+    fn rope_heads_backward(
+        dy: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        shape: crate::RopeShape,
+    ) -> FloatTensor<Self> {
+        crate::rope::burn_backward::<Self>(dy, cos, sin, shape)
+    }
+
+    /// The SwiGLU gate `h [M, D] = silu(g) ⊙ u` ([`crate::silu_mul`]): burn's ops by default;
+    /// the CubeCL backends run one kernel (`qerl_kernels::silu_mul`).
+    fn silu_mul(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::activation::burn_forward::<Self>(g, u)
+    }
+
+    /// Backward of [`silu_mul`](Self::silu_mul) from its inputs and the upstream `dh`:
+    /// `(dg, du)`, each `[M, D]`.
+    fn silu_mul_backward(
+        g: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        dh: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        crate::activation::burn_backward::<Self>(g, u, dh)
+    }
+
     /// Log-probability of `targets [M]` and entropy of the next-token distribution for final
     /// hidden states `hidden [M, K]` through the output projection `weight [V, K]`, computed
     /// `opts.rows(V)` rows at a time: `[M, 2]` f32 (log p, entropy). See

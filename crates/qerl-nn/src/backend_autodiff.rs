@@ -11,6 +11,8 @@
 //!   from the kept log-sum-exps ([`crate::attention`]).
 //! * `lm_head_log_probs`: parents `hidden` and the output projection; chunked, the backward
 //!   recomputes each chunk's logits ([`crate::lm_head`]).
+//! * `silu_mul`: parents `g` and `u`, kept for the backward ([`crate::activation`]).
+//! * `rope_heads`: parent `x`; the tables are constants ([`crate::rope`]).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -317,6 +319,19 @@ impl<B: QerlBackend, C: CheckpointStrategy> QerlBackend for Ad<B, C> {
         opts: crate::LogProbOptions,
     ) -> FloatTensor<Self> {
         crate::lm_head::autodiff_log_probs::<B, C>(hidden, weight, targets, opts)
+    }
+
+    fn rope_heads(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        shape: crate::RopeShape,
+    ) -> FloatTensor<Self> {
+        crate::rope::autodiff_rope::<B, C>(x, cos, sin, shape)
+    }
+
+    fn silu_mul(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::activation::autodiff_silu_mul::<B, C>(g, u)
     }
 
     fn causal_attention(

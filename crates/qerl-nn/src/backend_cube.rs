@@ -10,7 +10,8 @@ use cubecl::zspace::metadata::Metadata;
 use qerl_format::QuantizedWeight;
 use qerl_kernels::attention::{self as fused, AttentionShape};
 use qerl_kernels::blas::{self, DenseProduct};
-use qerl_kernels::{dequant, gemm, rms_norm, upload, DeviceWeight};
+use qerl_kernels::rope::{self, RopeShape};
+use qerl_kernels::{dequant, gemm, rms_norm, silu_mul, upload, DeviceWeight};
 
 use crate::backend::{burn_dense_matmul, burn_lora_backward, LoraPrims, QerlBackend, QuantWeight};
 use crate::NnError;
@@ -70,6 +71,23 @@ fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> Cu
         handle,
         dtype,
     )
+}
+
+/// RoPE tables, contiguous and of the activations' type `dtype`.
+fn rope_tables<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    cos: CubeTensor<R>,
+    sin: CubeTensor<R>,
+    dtype: DType,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let cast = |t: CubeTensor<R>| {
+        let t = into_contiguous(t);
+        if t.dtype == dtype {
+            t
+        } else {
+            into_contiguous(CubeBackend::<R, F, I, BT>::float_cast(t, dtype.into()))
+        }
+    };
+    (cast(cos), cast(sin))
 }
 
 /// The kernels' shape from `q [b, h, s, d]` and `k [b, kv, s, d]`.
@@ -419,6 +437,97 @@ where
             .expect("attention shapes");
         });
         (dq, dk, dv)
+    }
+
+    fn rope_heads(
+        x: CubeTensor<R>,
+        cos: CubeTensor<R>,
+        sin: CubeTensor<R>,
+        shape: RopeShape,
+    ) -> CubeTensor<R> {
+        let (x, ..) = matrix(x, "rope x");
+        let (cos, sin) = rope_tables::<R, F, I, BT>(cos, sin, x.dtype);
+        let RopeShape {
+            batch,
+            seq,
+            heads,
+            head_dim,
+        } = shape;
+        let y = empty(&x, Shape::new([batch, heads, seq, head_dim]), x.dtype);
+        with_float!(x.dtype, E => {
+            rope::forward::<R, E>(&x.client, &x.handle, &cos.handle, &sin.handle, shape, &y.handle)
+                .expect("rope shapes");
+        });
+        y
+    }
+
+    fn rope_heads_backward(
+        dy: CubeTensor<R>,
+        cos: CubeTensor<R>,
+        sin: CubeTensor<R>,
+        shape: RopeShape,
+    ) -> CubeTensor<R> {
+        let dy = into_contiguous(dy);
+        let (cos, sin) = rope_tables::<R, F, I, BT>(cos, sin, dy.dtype);
+        let rows = shape.batch * shape.seq;
+        let dx = empty(
+            &dy,
+            Shape::new([rows, shape.heads * shape.head_dim]),
+            dy.dtype,
+        );
+        with_float!(dy.dtype, E => {
+            rope::backward::<R, E>(&dy.client, &dy.handle, &cos.handle, &sin.handle, shape, &dx.handle)
+                .expect("rope shapes");
+        });
+        dx
+    }
+
+    fn silu_mul(g: CubeTensor<R>, u: CubeTensor<R>) -> CubeTensor<R> {
+        let (g, rows, dim) = matrix(g, "silu_mul g");
+        let (u, ..) = matrix(u, "silu_mul u");
+        assert_eq!(
+            u.shape().dims::<2>(),
+            [rows, dim],
+            "silu_mul: g and u shapes"
+        );
+        let h = empty(&g, Shape::new([rows, dim]), g.dtype);
+        with_float!(g.dtype, E => {
+            silu_mul::forward::<R, E>(&g.client, &g.handle, &u.handle, rows * dim, &h.handle)
+                .expect("silu_mul shapes");
+        });
+        h
+    }
+
+    fn silu_mul_backward(
+        g: CubeTensor<R>,
+        u: CubeTensor<R>,
+        dh: CubeTensor<R>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let (g, rows, dim) = matrix(g, "silu_mul g");
+        let (u, ..) = matrix(u, "silu_mul u");
+        let (dh, ..) = matrix(dh, "silu_mul dh");
+        for (what, t) in [("u", &u), ("dh", &dh)] {
+            assert_eq!(
+                t.shape().dims::<2>(),
+                [rows, dim],
+                "silu_mul: g and {what} shapes"
+            );
+        }
+        let dg = empty(&g, Shape::new([rows, dim]), g.dtype);
+        let du = empty(&g, Shape::new([rows, dim]), g.dtype);
+        with_float!(g.dtype, E => {
+            silu_mul::backward::<R, E>(
+                &g.client,
+                &g.handle,
+                &u.handle,
+                &dh.handle,
+                rows * dim,
+                &dg.handle,
+                &du.handle,
+            )
+            .expect("silu_mul shapes");
+        });
+        (dg, du)
     }
 
     fn noisy_rms_norm(

@@ -13,11 +13,16 @@
 //! * [`causal_attention`]: causal self-attention with padding and grouped-query heads as one
 //!   fused op (flash-attention style on CubeCL backends): no `[seq, seq]` tensors kept for the
 //!   backward.
+//! * [`rope_heads`]: rotary position embedding of a q/k product's output with its heads moved to
+//!   the front, one op each way (one kernel on CubeCL backends).
+//! * [`silu_mul`]: the MLP's SwiGLU gate `silu(g) ⊙ u` as one op each way (one kernel on
+//!   CubeCL backends) instead of burn's chain of f32 element-wise kernels.
 //!
-//! Both run on any backend implementing [`QerlBackend`]: CubeCL backends (wgpu, CUDA) use the
+//! All run on any backend implementing [`QerlBackend`]: CubeCL backends (wgpu, CUDA) use the
 //! kernels of `qerl-kernels`; the NdArray CPU backend uses a host reference path; `Autodiff<B>`
 //! adds the custom backward passes.
 
+mod activation;
 pub mod attention;
 mod backend;
 mod backend_autodiff;
@@ -26,7 +31,9 @@ mod backend_cube;
 mod linear;
 pub mod lm_head;
 mod norm;
+pub mod rope;
 
+pub use activation::silu_mul;
 pub use attention::{causal_attention, causal_mask, key_ranges, KeyRanges};
 pub use backend::{LoraPrims, QerlBackend, QuantWeight};
 pub use linear::{Lora, LoraConfig, Nvfp4Linear};
@@ -34,6 +41,7 @@ pub use lm_head::{lm_head_log_probs, Entropy, LogProbOptions};
 pub use norm::NoisyRmsNorm;
 /// Host-to-device copies of weights (staged on CUDA inside an upload session).
 pub use qerl_kernels::{upload, KernelError};
+pub use rope::{rope_heads, RopeShape};
 
 use thiserror::Error;
 

@@ -227,6 +227,126 @@ fn cuda_norm_gradients_match_reference() {
     norm_grads::<Autodiff<qerl_nn::backends::Cuda>>(&Default::default(), 2e-2);
 }
 
+/// [`qerl_nn::rope_heads`]: forward and the gradient of `x` against the rotation written with
+/// burn's ops (reshape, move the heads, rotate half) and its autodiff on the same backend.
+fn rope_grads<B>(device: &B::Device, tol: f64)
+where
+    B: AutodiffBackend + QerlBackend,
+{
+    use burn::tensor::Tensor;
+    let s = seed();
+    for (b, t, heads, d) in [(2, 5, 3, 16), (1, 3, 2, 6)] {
+        let n = b * t * heads * d;
+        let xv = normal(s, n, 1.0);
+        let cos = tensor::<B, 4>(normal(s + 1, b * t * d, 1.0), [b, 1, t, d], device);
+        let sin = tensor::<B, 4>(normal(s + 2, b * t * d, 1.0), [b, 1, t, d], device);
+        let probe = tensor::<B, 4>(normal(s + 3, n, 1.0), [b, heads, t, d], device);
+        let x = tensor::<B, 3>(xv.clone(), [b, t, heads * d], device).require_grad();
+        let y = qerl_nn::rope_heads(x.clone(), &cos, &sin, heads);
+        let grads = (y.clone() * probe.clone()).sum().backward();
+        let xr = tensor::<B, 3>(xv, [b, t, heads * d], device).require_grad();
+        let x4 = xr.clone().reshape([b, t, heads, d]).swap_dims(1, 2);
+        let x1 = x4.clone().slice([0..b, 0..heads, 0..t, 0..d / 2]);
+        let x2 = x4.clone().slice([0..b, 0..heads, 0..t, d / 2..d]);
+        let yr = x4 * cos.clone() + Tensor::cat(vec![x2.neg(), x1], 3) * sin.clone();
+        let rgrads = (yr.clone() * probe).sum().backward();
+        for (name, e) in [
+            ("y", rel_err(y.inner(), yr.inner())),
+            (
+                "dx",
+                rel_err(x.grad(&grads).unwrap(), xr.grad(&rgrads).unwrap()),
+            ),
+        ] {
+            assert!(
+                e <= tol,
+                "rope [{b}, {t}, {heads}x{d}] {name}: relative error {e:.2e} > {tol:.0e}, seed {s}"
+            );
+        }
+    }
+}
+
+#[test]
+fn cpu_rope_gradients_match_burn() {
+    rope_grads::<Autodiff<qerl_nn::backends::Cpu>>(&Default::default(), 1e-5);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_rope_gradients_match_burn() {
+    rope_grads::<Autodiff<qerl_nn::backends::Wgpu>>(
+        &qerl_nn::backends::wgpu_device_or_exit(),
+        1e-4,
+    );
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features qerl-train/cuda -- --ignored cuda"]
+fn cuda_rope_gradients_match_burn() {
+    rope_grads::<Autodiff<qerl_nn::backends::Cuda>>(&Default::default(), 2e-2);
+}
+
+/// [`qerl_nn::silu_mul`]: forward and the gradients of both inputs against burn's
+/// `silu(g) * u` and its autodiff on the same backend, on a 3-D input (leading dims flattened)
+/// whose gate reaches σ's tails.
+fn silu_mul_grads<B>(device: &B::Device, tol: f64)
+where
+    B: AutodiffBackend + QerlBackend,
+{
+    use burn::tensor::activation::silu;
+    let s = seed();
+    let dims = [2, 3, 40];
+    let n = dims.iter().product();
+    let (gv, uv) = (normal(s, n, 4.0), normal(s + 1, n, 1.0));
+    let probe = tensor::<B, 3>(normal(s + 2, n, 1.0), dims, device);
+    let g = tensor::<B, 3>(gv.clone(), dims, device).require_grad();
+    let u = tensor::<B, 3>(uv.clone(), dims, device).require_grad();
+    let h = qerl_nn::silu_mul(g.clone(), u.clone());
+    let grads = (h.clone() * probe.clone()).sum().backward();
+    let gr = tensor::<B, 3>(gv, dims, device).require_grad();
+    let ur = tensor::<B, 3>(uv, dims, device).require_grad();
+    let hr = silu(gr.clone()) * ur.clone();
+    let rgrads = (hr.clone() * probe).sum().backward();
+    for (name, e) in [
+        ("h", rel_err(h.inner(), hr.inner())),
+        (
+            "dg",
+            rel_err(g.grad(&grads).unwrap(), gr.grad(&rgrads).unwrap()),
+        ),
+        (
+            "du",
+            rel_err(u.grad(&grads).unwrap(), ur.grad(&rgrads).unwrap()),
+        ),
+    ] {
+        assert!(
+            e <= tol,
+            "silu_mul {name}: relative error {e:.2e} > {tol:.0e}, seed {s}"
+        );
+    }
+}
+
+#[test]
+fn cpu_silu_mul_gradients_match_burn() {
+    silu_mul_grads::<Autodiff<qerl_nn::backends::Cpu>>(&Default::default(), 1e-5);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_silu_mul_gradients_match_burn() {
+    silu_mul_grads::<Autodiff<qerl_nn::backends::Wgpu>>(
+        &qerl_nn::backends::wgpu_device_or_exit(),
+        1e-4,
+    );
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features qerl-train/cuda -- --ignored cuda"]
+fn cuda_silu_mul_gradients_match_burn() {
+    // one rounding to bf16 here, several in burn's chain
+    silu_mul_grads::<Autodiff<qerl_nn::backends::Cuda>>(&Default::default(), 2e-2);
+}
+
 /// [`QerlBackend::dense_matmul`] under autodiff, every transpose combination with a scale: the
 /// product and both gradients against burn's matmul and its autodiff on the CPU in f32 (a
 /// reference that compiles nothing on the GPU).
