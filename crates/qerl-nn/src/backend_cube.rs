@@ -73,6 +73,22 @@ fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> Cu
     )
 }
 
+/// Whether `QERL_EAGER_FLUSH=1` asks for a flush of cubecl's task queue after each of these
+/// ops (read once). cubecl 0.10's device thread starts queued launches only when 32 are
+/// queued or a blocking call flushes them, so between two cuBLAS products (each a blocking
+/// crossing) the launches queued meanwhile wait for the host to reach the next one.
+fn eager() -> bool {
+    static EAGER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *EAGER.get_or_init(|| std::env::var("QERL_EAGER_FLUSH").is_ok_and(|v| v == "1"))
+}
+
+/// Starts the launches queued so far (this op's among them) when [`eager`].
+fn eager_flush<R: CubeRuntime>(t: &CubeTensor<R>) {
+    if eager() {
+        let _ = t.client.flush();
+    }
+}
+
 /// RoPE tables, contiguous and of the activations' type `dtype`.
 fn rope_tables<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     cos: CubeTensor<R>,
@@ -233,6 +249,7 @@ where
             )
             .expect("qlinear shapes");
         });
+        eager_flush(&y);
         y
     }
 
@@ -375,6 +392,7 @@ where
             gemm::matmul_transposed::<R, E>(&dy.client, &dy.handle, m, weight, &dx.handle)
                 .expect("qlinear_dx shapes");
         });
+        eager_flush(&dx);
         dx
     }
 
@@ -401,6 +419,7 @@ where
             )
             .expect("attention shapes");
         });
+        eager_flush(&out);
         (out, lse)
     }
 
@@ -436,6 +455,7 @@ where
             )
             .expect("attention shapes");
         });
+        eager_flush(&dq);
         (dq, dk, dv)
     }
 
@@ -458,6 +478,7 @@ where
             rope::forward::<R, E>(&x.client, &x.handle, &cos.handle, &sin.handle, shape, &y.handle)
                 .expect("rope shapes");
         });
+        eager_flush(&y);
         y
     }
 
@@ -479,6 +500,7 @@ where
             rope::backward::<R, E>(&dy.client, &dy.handle, &cos.handle, &sin.handle, shape, &dx.handle)
                 .expect("rope shapes");
         });
+        eager_flush(&dx);
         dx
     }
 
@@ -495,6 +517,7 @@ where
             silu_mul::forward::<R, E>(&g.client, &g.handle, &u.handle, rows * dim, &h.handle)
                 .expect("silu_mul shapes");
         });
+        eager_flush(&h);
         h
     }
 
@@ -527,6 +550,7 @@ where
             )
             .expect("silu_mul shapes");
         });
+        eager_flush(&dg);
         (dg, du)
     }
 
@@ -554,6 +578,7 @@ where
             )
             .expect("rms_norm shapes");
         });
+        eager_flush(&y);
         (y, rstd)
     }
 
@@ -584,6 +609,7 @@ where
             )
             .expect("rms_norm shapes");
         });
+        eager_flush(&dx);
         (dx, dw)
     }
 }
