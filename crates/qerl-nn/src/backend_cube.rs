@@ -73,22 +73,6 @@ fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> Cu
     )
 }
 
-/// Whether `QERL_EAGER_FLUSH=1` asks for a flush of cubecl's task queue after each of these
-/// ops (read once). cubecl 0.10's device thread starts queued launches only when 32 are
-/// queued or a blocking call flushes them, so between two cuBLAS products (each a blocking
-/// crossing) the launches queued meanwhile wait for the host to reach the next one.
-fn eager() -> bool {
-    static EAGER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *EAGER.get_or_init(|| std::env::var("QERL_EAGER_FLUSH").is_ok_and(|v| v == "1"))
-}
-
-/// Starts the launches queued so far (this op's among them) when [`eager`].
-fn eager_flush<R: CubeRuntime>(t: &CubeTensor<R>) {
-    if eager() {
-        let _ = t.client.flush();
-    }
-}
-
 /// RoPE tables, contiguous and of the activations' type `dtype`.
 fn rope_tables<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     cos: CubeTensor<R>,
@@ -249,7 +233,6 @@ where
             )
             .expect("qlinear shapes");
         });
-        eager_flush(&y);
         y
     }
 
@@ -392,7 +375,6 @@ where
             gemm::matmul_transposed::<R, E>(&dy.client, &dy.handle, m, weight, &dx.handle)
                 .expect("qlinear_dx shapes");
         });
-        eager_flush(&dx);
         dx
     }
 
@@ -419,7 +401,6 @@ where
             )
             .expect("attention shapes");
         });
-        eager_flush(&out);
         (out, lse)
     }
 
@@ -455,7 +436,6 @@ where
             )
             .expect("attention shapes");
         });
-        eager_flush(&dq);
         (dq, dk, dv)
     }
 
@@ -478,7 +458,6 @@ where
             rope::forward::<R, E>(&x.client, &x.handle, &cos.handle, &sin.handle, shape, &y.handle)
                 .expect("rope shapes");
         });
-        eager_flush(&y);
         y
     }
 
@@ -500,7 +479,6 @@ where
             rope::backward::<R, E>(&dy.client, &dy.handle, &cos.handle, &sin.handle, shape, &dx.handle)
                 .expect("rope shapes");
         });
-        eager_flush(&dx);
         dx
     }
 
@@ -517,7 +495,6 @@ where
             silu_mul::forward::<R, E>(&g.client, &g.handle, &u.handle, rows * dim, &h.handle)
                 .expect("silu_mul shapes");
         });
-        eager_flush(&h);
         h
     }
 
@@ -550,7 +527,6 @@ where
             )
             .expect("silu_mul shapes");
         });
-        eager_flush(&dg);
         (dg, du)
     }
 
@@ -578,7 +554,6 @@ where
             )
             .expect("rms_norm shapes");
         });
-        eager_flush(&y);
         (y, rstd)
     }
 
@@ -609,7 +584,6 @@ where
             )
             .expect("rms_norm shapes");
         });
-        eager_flush(&dx);
         (dx, dw)
     }
 }
