@@ -25,7 +25,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use qerl_nn::QerlBackend;
 
-use crate::attention::Step;
+use crate::attention::{Masking, Step};
 use crate::batch::TokenBatch;
 use crate::error::Result;
 use crate::model::CausalLm;
@@ -89,10 +89,12 @@ fn inner_step<B: AutodiffBackend<InnerBackend: QerlBackend> + QerlBackend>(
     Step {
         cos: step.cos.clone().inner(),
         sin: step.sin.clone().inner(),
-        bias: step.bias.clone().inner(),
+        masking: match &step.masking {
+            Masking::Fused(ranges) => Masking::Fused(ranges.clone()),
+            Masking::Bias(bias) => Masking::Bias(bias.clone().inner()),
+        },
         offset: step.offset,
         lora: step.lora,
-        fused: step.fused.clone(),
     }
 }
 

@@ -6,7 +6,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{Int, Tensor, TensorData};
 use qerl_nn::{silu_mul, NoisyRmsNorm, Nvfp4Linear, QerlBackend};
 
-use crate::attention::{attention_bias, Attention, LayerCache, Step};
+use crate::attention::{attention_bias, Attention, LayerCache, Masking, Step};
 use crate::batch::TokenBatch;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -203,14 +203,16 @@ impl<B: QerlBackend> CausalLm<B> {
     ) -> Step<B> {
         let device = self.device();
         let (cos, sin) = self.rope.tables(positions, batch, seq, &device);
-        let bias = attention_bias(key_mask, batch, seq, keys, offset, &device);
+        let masking = match crate::attention::fused_ranges(key_mask, batch, seq, keys, offset) {
+            Some(ranges) => Masking::Fused(ranges),
+            None => Masking::Bias(attention_bias(key_mask, batch, seq, keys, offset, &device)),
+        };
         Step {
             cos,
             sin,
-            bias,
+            masking,
             offset,
             lora,
-            fused: crate::attention::fused_ranges(key_mask, batch, seq, keys, offset),
         }
     }
 
