@@ -31,6 +31,16 @@ impl RopeShape {
     fn elems(&self) -> usize {
         self.batch * self.seq * self.heads * self.head_dim
     }
+
+    /// The product's side: `[batch·seq, heads·d]`.
+    pub fn token_major(&self) -> [usize; 2] {
+        [self.batch * self.seq, self.heads * self.head_dim]
+    }
+
+    /// Attention's side: `[batch, heads, seq, d]`.
+    pub fn head_major(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq, self.head_dim]
+    }
 }
 
 /// One unit per vector of `V` pairs `(i, i + h)` of one (token, head); `backward` picks the
@@ -97,10 +107,10 @@ fn launch<R: Runtime, F: Float>(
     backward: bool,
 ) -> Result<(), KernelError> {
     let RopeShape {
-        batch,
         seq,
         heads,
         head_dim,
+        ..
     } = shape;
     if shape.elems() == 0 || !head_dim.is_multiple_of(2) {
         return Err(shape_err(
@@ -109,7 +119,7 @@ fn launch<R: Runtime, F: Float>(
         ));
     }
     let e = std::mem::size_of::<F>();
-    let tokens = batch * seq;
+    let tokens = shape.token_major()[0];
     check_buffer("rope", "input", input, shape.elems() * e)?;
     check_buffer("rope", "output", output, shape.elems() * e)?;
     check_buffer("rope", "cos", cos, tokens * head_dim * e)?;

@@ -447,13 +447,7 @@ where
     ) -> CubeTensor<R> {
         let (x, ..) = matrix(x, "rope x");
         let (cos, sin) = rope_tables::<R, F, I, BT>(cos, sin, x.dtype);
-        let RopeShape {
-            batch,
-            seq,
-            heads,
-            head_dim,
-        } = shape;
-        let y = empty(&x, Shape::new([batch, heads, seq, head_dim]), x.dtype);
+        let y = empty(&x, Shape::new(shape.head_major()), x.dtype);
         with_float!(x.dtype, E => {
             rope::forward::<R, E>(&x.client, &x.handle, &cos.handle, &sin.handle, shape, &y.handle)
                 .expect("rope shapes");

@@ -98,15 +98,8 @@ pub(crate) fn burn_forward<B: Backend>(
     sin: FloatTensor<B>,
     shape: RopeShape,
 ) -> FloatTensor<B> {
-    let RopeShape {
-        batch,
-        seq,
-        heads,
-        head_dim,
-    } = shape;
-    let x = f2::<B>(x)
-        .reshape([batch, seq, heads, head_dim])
-        .swap_dims(1, 2);
+    let [batch, heads, seq, d] = shape.head_major();
+    let x = f2::<B>(x).reshape([batch, seq, heads, d]).swap_dims(1, 2);
     let (x1, x2) = halves(x.clone());
     let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
     let y = x * tables4::<B>(cos, shape) + rotated * tables4::<B>(sin, shape);
@@ -123,14 +116,8 @@ pub(crate) fn burn_backward<B: Backend>(
     let dy = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(dy));
     let (v1, v2) = halves(dy.clone() * tables4::<B>(sin, shape));
     let dx = dy * tables4::<B>(cos, shape) + Tensor::cat(vec![v2, v1.neg()], 3);
-    let RopeShape {
-        batch,
-        seq,
-        heads,
-        head_dim,
-    } = shape;
     dx.swap_dims(1, 2)
-        .reshape([batch * seq, heads * head_dim])
+        .reshape(shape.token_major())
         .into_primitive()
         .tensor()
 }
