@@ -26,7 +26,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   grep -hE "^test |test result|panicked|relative error|max \|" "$OUT"/t-*.log | grep -v "ignored, " | head -n 60
 fi
 args=${ARGS:-"--shape qwen2.5-7b --precision nvfp4 --prompts 8 --group 8 --prompt-len 256 --completion-len 1024 --grad-accum 4 --rollout synthetic --steps 2"}
-for v in ${VARIANTS:-"fused: burn:QERL_SILU_MUL=burn,QERL_ROPE=burn"}; do
+variants=${VARIANTS:-fused: burn:QERL_SILU_MUL=burn,QERL_ROPE=burn}
+for v in $variants; do
   name=${v%%:*}; envs=${v#*:}
   echo "== $name (${envs:-defaults}): qerl bench train $args"
   start=$SECONDS
