@@ -10,57 +10,15 @@
 //! sine rounded to f32). The rotation itself is [`qerl_nn::rope_heads`] (one kernel each way
 //! on the CubeCL backends).
 
-use std::sync::{Arc, Mutex};
-
 use burn::tensor::{backend::Backend, Tensor, TensorData};
 
 use crate::config::{ModelConfig, RopeScaling};
 
 /// The RoPE frequencies of one model.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Rope {
     inv_freq: Vec<f32>,
     head_dim: usize,
-    /// The cosines and sines of the positions seen so far, shared by the clones.
-    angles: Arc<Mutex<Angles>>,
-}
-
-impl PartialEq for Rope {
-    fn eq(&self, other: &Self) -> bool {
-        self.inv_freq == other.inv_freq && self.head_dim == other.head_dim
-    }
-}
-
-/// `cos` and `sin` of `pos · inv_freq[i]` for every position below `len`, `[len, head_dim / 2]`
-/// each: a training pass builds the tables of 20k tokens three times (the forward, the
-/// reference pass, the checkpointed backward), each of them 1.3M sines and cosines in f64.
-#[derive(Debug, Default)]
-struct Angles {
-    len: usize,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
-}
-
-impl Angles {
-    /// Fills the positions below `len` (at least), doubling to keep the cost amortised.
-    fn reach(&mut self, len: usize, inv_freq: &[f32]) {
-        if len <= self.len {
-            return;
-        }
-        let len = len.max(2 * self.len);
-        // (a fill cut short by a panic left entries past `self.len`: drop them)
-        self.cos.truncate(self.len * inv_freq.len());
-        self.sin.truncate(self.len * inv_freq.len());
-        for pos in self.len..len {
-            for &f in inv_freq {
-                // torch: the angle in f32, then its cosine and sine rounded to f32
-                let angle = (pos as f32 * f) as f64;
-                self.cos.push(angle.cos() as f32);
-                self.sin.push(angle.sin() as f32);
-            }
-        }
-        self.len = len;
-    }
 }
 
 impl Rope {
@@ -108,11 +66,7 @@ impl Rope {
                     .collect()
             }
         };
-        Rope {
-            inv_freq,
-            head_dim,
-            angles: Arc::default(),
-        }
+        Rope { inv_freq, head_dim }
     }
 
     /// `inv_freq[i]` for `i < head_dim / 2`.
@@ -133,19 +87,15 @@ impl Rope {
         let (d, half) = (self.head_dim, self.head_dim / 2);
         let mut cos = vec![0f32; batch * seq * d];
         let mut sin = vec![0f32; batch * seq * d];
-        let end = positions.iter().max().map_or(0, |&p| p + 1);
-        // a poisoned lock only means a fill was cut short: `reach` starts again from `len`
-        let mut angles = self.angles.lock().unwrap_or_else(|e| e.into_inner());
-        angles.reach(end, &self.inv_freq);
         for (t, &pos) in positions.iter().enumerate() {
             let row = t * d;
-            let at = pos * half..(pos + 1) * half;
-            for (table, from) in [
-                (&mut cos, &angles.cos[at.clone()]),
-                (&mut sin, &angles.sin[at]),
-            ] {
-                table[row..row + half].copy_from_slice(from);
-                table[row + half..row + d].copy_from_slice(from);
+            for (i, &f) in self.inv_freq.iter().enumerate() {
+                let angle = (pos as f32 * f) as f64;
+                let (s, c) = (angle.sin() as f32, angle.cos() as f32);
+                cos[row + i] = c;
+                cos[row + half + i] = c;
+                sin[row + i] = s;
+                sin[row + half + i] = s;
             }
         }
         let shape = [batch, 1, seq, d];
@@ -182,28 +132,6 @@ mod tests {
             let (c, s) = (f64::cos(t), f64::sin(t));
             assert!((y[4 + i] as f64 - (a * c - b * s)).abs() < 1e-6);
             assert!((y[6 + i] as f64 - (b * c + a * s)).abs() < 1e-6);
-        }
-    }
-
-    /// The tables from the cache of angles equal the angles computed for each call, whatever
-    /// order the positions come in and however the cache grew.
-    #[test]
-    fn cached_angles_equal_direct_ones() {
-        let rope = Rope::with(8, 10000.0, &RopeScaling::None);
-        let dev = Default::default();
-        for positions in [vec![5usize, 0, 3, 3], vec![100, 2, 57, 1], vec![7, 6, 5, 4]] {
-            let (cos, sin) = rope.tables::<NdArray>(&positions, 2, 2, &dev);
-            let (cos, sin): (Vec<f32>, Vec<f32>) = (
-                cos.into_data().to_vec().unwrap(),
-                sin.into_data().to_vec().unwrap(),
-            );
-            for (t, &pos) in positions.iter().enumerate() {
-                for i in 0..8 {
-                    let angle = (pos as f32 * rope.inv_freq()[i % 4]) as f64;
-                    assert_eq!(cos[t * 8 + i], angle.cos() as f32, "cos pos {pos} i {i}");
-                    assert_eq!(sin[t * 8 + i], angle.sin() as f32, "sin pos {pos} i {i}");
-                }
-            }
         }
     }
 
