@@ -32,11 +32,17 @@ pub struct RandomModel {
 /// A model of `config`'s shape with random weights: linear weights uniform in
 /// `±1/sqrt(d_input)`, norms 1, embeddings and lm_head uniform in `±0.05`, biases 0. LoRA `A`
 /// as PEFT initialises it and `B` small and non-zero, so that both get gradients.
+///
+/// Everything follows from `spec.seed`: the host weights from their own generator, the tensors
+/// drawn on the device from the backend's generator, which this seeds (process-wide). Unseeded,
+/// embeddings, lm_head and the LoRA factors differed from process to process, and so did a
+/// benchmark step's gradient norm on identical inputs.
 pub fn random_model<B: QerlBackend>(
     config: &ModelConfig,
     spec: &RandomModel,
     device: &B::Device,
 ) -> Result<CausalLm<B>> {
+    B::seed(device, spec.seed);
     let (v, h) = (config.vocab_size, config.hidden_size);
     let uniform = |shape: [usize; 2], bound: f64| {
         Tensor::<B, 2>::random(shape, Distribution::Uniform(-bound, bound), device)
