@@ -85,9 +85,11 @@ fn split_target(m: usize, o: &MmaOptions) -> usize {
     }
 }
 
-/// Chunks of codes in flight in the staged kernel by default (3 and 2 were within noise of
-/// each other at batch 64 and 256 on an H100, 2026-11-27; 1 was slower at 256).
-pub const DEFAULT_PREFETCH: usize = 3;
+/// Chunks of codes in flight in the staged kernel by default. Since its K loop issues no
+/// predicated load (2026-11-28, ncu, H100, 7B decode at batch 64, GPU time a step): 2 took
+/// 8.54 ms, 3 8.70 and 1 8.68 (the gate/up product 93.2 µs at 2 against 98.2 and 101.6). In
+/// 2026-11-27's build 3 and 2 were within noise at batch 64 and 256, and 1 slower at 256.
+pub const DEFAULT_PREFETCH: usize = 2;
 
 /// Chunks of `X` loaded ahead in the staged kernel by default.
 pub const DEFAULT_X_AHEAD: usize = 1;

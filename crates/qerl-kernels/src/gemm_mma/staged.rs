@@ -7,9 +7,10 @@
 //! they decode each weight once per 32 tokens; on an H100 its SASS was ~23 instructions for each
 //! `mma` (2026-11-27), so it is bound by issue. Here, for each 64-deep chunk:
 //! * the cube's threads copy the chunk of its `8·m_tiles` tokens into shared memory in
-//!   *fragment order*: each lane's two `B` registers of step `s` and token tile `mt` are one
-//!   8-byte word at `(mt·4 + s)·32 + lane` (a warp reads 256 contiguous bytes: no bank
-//!   conflict), the spread permutation (`x_i, x_{i+4}` pairs) applied once while copying;
+//!   *fragment order*, token tiles in pairs: each lane's two `B` registers of step `s` for
+//!   tiles `2·pr` and `2·pr + 1` are one 16-byte entry at `(pr·4 + s)·32 + lane` (a warp reads
+//!   512 contiguous bytes: no bank conflict, one read for two `mma`), the spread permutation
+//!   (`x_i, x_{i+4}` pairs) applied once while copying;
 //! * each warp decodes its `16·r_tiles` weight rows exactly as the spread decoding does and
 //!   feeds each decoded `A` fragment to `m_tiles` token tiles (up to 8: 64 tokens), so at 64
 //!   rows every weight is decoded once.
@@ -17,13 +18,21 @@
 //! Two shared buffers alternate: the copy of chunk `c + 1` is loaded into registers before
 //! chunk `c` is multiplied and stored after, with one barrier a chunk. The codes are loaded
 //! `depth` chunks ahead (comptime, 1 to 4) and `X` `x_ahead` chunks (1 or 2), to keep more
-//! weight in flight; on an H100 (2026-11-27) every depth measured alike: with `X` staged the
-//! kernel is bound by issuing its decoding and copying, not by memory latency.
+//! weight in flight.
+//!
+//! What bounds it (ncu, H100, 7B decode at batch 64): in 2026-11-27's build, issue (11.2
+//! instructions a `mma` on the gate/up product, 0.57 issued per scheduler cycle; its K loop 265
+//! SASS instructions for 32 `mma`, 112 of them loads, predicates, zeroing, address arithmetic
+//! and the copy's index math). Since 2026-11-28 the loop issues no predicated load, the copy's
+//! offsets are computed once and one 16-byte read feeds two `mma`: 8.8 a `mma` (-22%), but the
+//! product only 4-9% faster, at 0.47 issued per cycle: with 126 registers a unit (two cubes, 16
+//! warps a multiprocessor) it now waits on latency (fixed-latency dependencies, global loads,
+//! the barrier) more than on issue. More warps a multiprocessor is the next lever.
 //!
 //! The `mma` columns, the reduction order and so every rounding are those of the direct kernel
 //! with the spread decoding: only where `B` comes from changed.
 
-use super::{finish, load_chunk, spread_bits, CHUNK, TWO_POW_63};
+use super::{finish, spread_bits, CHUNK, TWO_POW_63};
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
@@ -95,6 +104,12 @@ pub(super) fn gemm_mma_staged_kernel<F: Float, O: Float, P: Size, Q: Size>(
 /// kernel (`segments.rs`). `segmented`: the weight is one of several whose row groups share
 /// the grid: its cubes along `N` start at `seg_cube0`, and when `split` its partial sums go
 /// to a workspace `[splits, M, y_cols]` at column `y_col0` (both unused otherwise).
+///
+/// The K loop issues no predicated load: a row past `N` reads the weight's last row, a token
+/// past `M` the last token, a chunk past the slice the row's last chunk. Those values only
+/// reach outputs that [`finish`] never stores (an `mma` output depends on its own row and
+/// token alone) or chunks that are never multiplied, and they are finite, so no NaN can
+/// appear; what it saves is a compare, a predicate and a zeroing per load.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
@@ -141,9 +156,12 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
         stab[i] = scale_table[i];
         i += comptime!(32 * warps);
     }
-    // Two buffers of the chunk's `X` in fragment order: `m_tiles · 4` steps of 32 lanes.
-    let frag_words = comptime!(m_tiles * 4 * 32);
-    let mut xs = SharedMemory::<Vector<u32, P>>::new(comptime!(2 * m_tiles * 4 * 32));
+    // Two buffers of the chunk's `X` in fragment order, token tiles in pairs: entry
+    // `(pair · 4 + s) · 32 + lane` holds the lane's two `B` registers of step `s` for tile
+    // `2·pair` and then for tile `2·pair + 1` (one 16-byte read feeds two `mma`).
+    let pairs = comptime!(m_tiles.div_ceil(2));
+    let frag_words = comptime!(pairs * 4 * 32);
+    let mut xs = SharedMemory::<Vector<u32, Q>>::new(comptime!(2 * pairs * 4 * 32));
 
     let mut cube_n = CUBE_POS_X as usize;
     let mut cube_m = CUBE_POS_Y as usize;
@@ -159,6 +177,7 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
     // A warp past the last row still copies `X` and meets every barrier; it skips the rest.
     let warp_live = n0 < n_cols;
     let chunks = k_dim / CHUNK;
+    let last_chunk = chunks - 1;
     let mut c0 = 0usize;
     let mut c1 = chunks;
     let mut out0 = 0usize;
@@ -173,47 +192,61 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
         }
     }
 
-    // The copy: item q of a chunk is the 8-column group q % 8 of token q / 8 (16 bytes).
-    let items = comptime!(m_tiles * 8 * 8);
-    let per_thread = comptime!((m_tiles * 64).div_ceil(32 * warps));
+    // The copy: pair item `p` is the 8-column group `p % 8` of tokens `16·(p / 64) + (p % 64) / 8`
+    // and 8 further (16 bytes each); its place in the buffer and in `x` do not change from chunk
+    // to chunk, so both offsets are computed once here.
+    let items = comptime!(pairs * 64);
+    let per_thread = comptime!((pairs * 64).div_ceil(32 * warps));
     let x_vecs_per_row = k_dim / 8;
-    // `X` of `x_ahead + 1` chunks in registers: slot 0 is chunk c + 1 (stored after chunk c is
-    // multiplied), slot d chunk c + 1 + d.
-    let mut xq = Array::<Vector<u32, Q>>::new(comptime!((x_ahead + 1) * per_thread));
+    let mut x_off = Array::<usize>::new(comptime!(2 * per_thread));
+    let mut st_off = Array::<usize>::new(per_thread);
+    let mut st_ok = Array::<bool>::new(per_thread);
+    #[unroll]
+    for u in 0..per_thread {
+        let p = tid + u * comptime!(32 * warps);
+        st_ok[u] = p < items;
+        let pc = min(p, comptime!(items - 1));
+        let pair = pc / 64;
+        let gi = (pc % 64) / 8;
+        let j = pc % 8;
+        let ma = min(m0 + pair * 16 + gi, m_rows - 1);
+        let mb = min(m0 + pair * 16 + 8 + gi, m_rows - 1);
+        x_off[2 * u] = ma * x_vecs_per_row + j;
+        x_off[2 * u + 1] = mb * x_vecs_per_row + j;
+        st_off[u] = (pair * 4 + 2 * (j % 2)) * 32 + gi * 4 + j / 2;
+    }
+    // `X` of `x_ahead + 1` chunks in registers, two vectors a pair item: slot 0 is chunk c + 1
+    // (stored after chunk c is multiplied), slot d chunk c + 1 + d.
+    let slot = comptime!(2 * per_thread);
+    let mut xq = Array::<Vector<u32, Q>>::new(comptime!((x_ahead + 1) * 2 * per_thread));
+    let partial = comptime!(items % (32 * warps) != 0);
     load_x::<Q>(
         x,
         &mut xq,
-        tid,
-        m0,
-        m_rows,
-        x_vecs_per_row,
-        c0,
-        c0 < c1,
-        items,
+        &x_off,
+        &st_ok,
+        min(c0, last_chunk),
         per_thread,
-        warps,
+        partial,
         0usize,
     );
-    store_x::<P, Q>(&xq, &mut xs, tid, 0, items, per_thread, warps, 0usize);
+    store_x::<Q>(&xq, &mut xs, &st_off, &st_ok, 0usize, per_thread, 0usize);
     #[unroll]
     for d in 0..x_ahead {
         load_x::<Q>(
             x,
             &mut xq,
-            tid,
-            m0,
-            m_rows,
-            x_vecs_per_row,
-            c0 + 1 + d,
-            c0 + 1 + d < c1,
-            items,
+            &x_off,
+            &st_ok,
+            min(c0 + 1 + d, last_chunk),
             per_thread,
-            warps,
-            comptime!(d * per_thread),
+            partial,
+            comptime!(d * 2 * per_thread),
         );
     }
 
-    // Rows g and g + 8 of each 16-row tile: where their codes, scales and tokens are.
+    // Rows g and g + 8 of each 16-row tile: where their codes, scales and tokens are (a row
+    // past `N` reads row `N - 1`, see above).
     let pairs_per_row = k_dim / 16;
     let mut row_ok = Array::<bool>::new(comptime!(2 * r_tiles));
     let mut row_pair0 = Array::<usize>::new(comptime!(2 * r_tiles));
@@ -222,8 +255,9 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
     for j in 0..comptime!(2 * r_tiles) {
         let n = n0 + (j / 2) * 16 + (j % 2) * 8 + g;
         row_ok[j] = n < n_cols;
-        row_pair0[j] = n * pairs_per_row + t;
-        row_elem0[j] = n * k_dim + 16 * t;
+        let nc = min(n, n_cols - 1);
+        row_pair0[j] = nc * pairs_per_row + t;
+        row_elem0[j] = nc * k_dim + 16 * t;
     }
 
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
@@ -243,14 +277,12 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
     let mut sq = Array::<u32>::new(comptime!((depth + 1) * 2 * r_tiles));
     #[unroll]
     for d in 0..depth {
-        load_chunk::<P>(
+        load_codes::<P>(
             codes,
             scale_bytes,
-            &row_ok,
             &row_pair0,
             &row_elem0,
-            c0 + d,
-            warp_live && c0 + d < c1,
+            min(c0 + d, last_chunk),
             &mut wq,
             &mut sq,
             r_tiles,
@@ -270,14 +302,12 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
             wq[j] = wq[j + rows];
             sq[j] = sq[j + rows];
         }
-        load_chunk::<P>(
+        load_codes::<P>(
             codes,
             scale_bytes,
-            &row_ok,
             &row_pair0,
             &row_elem0,
-            c + depth,
-            warp_live && c + depth < c1,
+            min(c + depth, last_chunk),
             &mut wq,
             &mut sq,
             r_tiles,
@@ -287,16 +317,12 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
         load_x::<Q>(
             x,
             &mut xq,
-            tid,
-            m0,
-            m_rows,
-            x_vecs_per_row,
-            c + 1 + x_ahead,
-            c + 1 + x_ahead < c1,
-            items,
+            &x_off,
+            &st_ok,
+            min(c + 1 + x_ahead, last_chunk),
             per_thread,
-            warps,
-            comptime!(x_ahead * per_thread),
+            partial,
+            comptime!(x_ahead * 2 * per_thread),
         );
         if warp_live {
             // One block scale per row for the lane's 16 codes, with 2^63 of the placement's
@@ -326,36 +352,41 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
                     }
                 }
                 #[unroll]
-                for mt in 0..m_tiles {
-                    let bw = xs[base + (mt * 4 + s) * 32 + lane];
-                    b_frag[0] = Vector::<F, P>::reinterpret(bw[0]);
-                    b_frag[1] = Vector::<F, P>::reinterpret(bw[1]);
+                for pr in 0..pairs {
+                    let bw = xs[base + (pr * 4 + s) * 32 + lane];
                     #[unroll]
-                    for r in 0..r_tiles {
-                        let mut a = Array::<Vector<F, P>>::new(4usize);
-                        #[unroll]
-                        for q in 0..4usize {
-                            a[q] = a_frag[4 * r + q];
+                    for half in 0..2usize {
+                        let mt = 2 * pr + half;
+                        if comptime!(mt < m_tiles) {
+                            b_frag[0] = Vector::<F, P>::reinterpret(bw[2 * half]);
+                            b_frag[1] = Vector::<F, P>::reinterpret(bw[2 * half + 1]);
+                            #[unroll]
+                            for r in 0..r_tiles {
+                                let mut a = Array::<Vector<F, P>>::new(4usize);
+                                #[unroll]
+                                for q in 0..4usize {
+                                    a[q] = a_frag[4 * r + q];
+                                }
+                                def.execute_inplace(&a, &b_frag, acc.index_mut(r * m_tiles + mt));
+                            }
                         }
-                        def.execute_inplace(&a, &b_frag, acc.index_mut(r * m_tiles + mt));
                     }
                 }
             }
         }
         buf = 1 - buf;
-        store_x::<P, Q>(
+        store_x::<Q>(
             &xq,
             &mut xs,
-            tid,
+            &st_off,
+            &st_ok,
             buf * frag_words,
-            items,
             per_thread,
-            warps,
             0usize,
         );
         #[unroll]
-        for j in 0..comptime!(x_ahead * per_thread) {
-            xq[j] = xq[j + per_thread];
+        for j in 0..comptime!(x_ahead * 2 * per_thread) {
+            xq[j] = xq[j + slot];
         }
         sync_cube();
     }
@@ -396,70 +427,85 @@ pub(super) fn staged_body<F: Float, O: Float, P: Size, Q: Size>(
     );
 }
 
-/// This thread's items of chunk `c` of the cube's tokens into `out[at ..]` (zeros past `M` or
-/// when not `live`):
-/// item `q = tid + u·threads` is columns `8·(q % 8) .. + 8` of the chunk for token `q / 8`.
+/// This thread's pair items of chunk `c` (two 16-byte vectors each, at the offsets
+/// [`staged_body`] computed) into `out[at ..]`; where the cube has more threads than items
+/// (`partial`), those without one load nothing.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_x<Q: Size>(
     x: &Array<Vector<u32, Q>>,
     out: &mut Array<Vector<u32, Q>>,
-    tid: usize,
-    m0: usize,
-    m_rows: usize,
-    x_vecs_per_row: usize,
+    x_off: &Array<usize>,
+    st_ok: &Array<bool>,
     c: usize,
-    live: bool,
-    #[comptime] items: usize,
     #[comptime] per_thread: usize,
-    #[comptime] warps: usize,
+    #[comptime] partial: bool,
     #[comptime] at: usize,
 ) {
     #[unroll]
     for u in 0..per_thread {
-        let q = tid + u * comptime!(32 * warps);
-        let m = m0 + q / 8;
-        let mut v = Vector::<u32, Q>::new(0u32);
-        if live && q < items && m < m_rows {
-            v = x[m * x_vecs_per_row + c * 8 + q % 8];
+        if !partial || st_ok[u] {
+            out[at + 2 * u] = x[x_off[2 * u] + c * 8];
+            out[at + 2 * u + 1] = x[x_off[2 * u + 1] + c * 8];
         }
-        out[at + u] = v;
     }
 }
 
-/// Writes this thread's items into the buffer at `base` in fragment order: the 8 columns
-/// `x0 .. x7` of group `j` of token `m` become the pairs `(x0, x4), (x1, x5)` of step
-/// `2·(j % 2)` and `(x2, x6), (x3, x7)` of step `2·(j % 2) + 1`, for lane
-/// `(m % 8)·4 + j / 2` of token tile `m / 8`.
+/// Writes this thread's pair items into the buffer at `base` in fragment order: the 8 columns
+/// `x0 .. x7` of group `j` of a token become the pairs `(x0, x4), (x1, x5)` of step
+/// `2·(j % 2)` and `(x2, x6), (x3, x7)` of step `2·(j % 2) + 1`, for lane `(token % 8)·4 + j / 2`;
+/// the item's two tokens (tiles `2·pair` and `2·pair + 1`) fill the two halves of each entry.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn store_x<P: Size, Q: Size>(
+fn store_x<Q: Size>(
     vals: &Array<Vector<u32, Q>>,
-    xs: &mut SharedMemory<Vector<u32, P>>,
-    tid: usize,
+    xs: &mut SharedMemory<Vector<u32, Q>>,
+    st_off: &Array<usize>,
+    st_ok: &Array<bool>,
     base: usize,
-    #[comptime] items: usize,
     #[comptime] per_thread: usize,
-    #[comptime] warps: usize,
     #[comptime] at: usize,
 ) {
     #[unroll]
     for u in 0..per_thread {
-        let q = tid + u * comptime!(32 * warps);
-        if q < items {
-            let m = q / 8;
-            let j = q % 8;
-            let v = vals[at + u];
-            let lane = (m % 8) * 4 + j / 2;
-            let at = base + ((m / 8) * 4 + 2 * (j % 2)) * 32 + lane;
-            let mut lo = Vector::<u32, P>::empty();
-            lo[0] = (v[0] & 0xffffu32) | (v[2] << 16u32);
-            lo[1] = (v[0] >> 16u32) | (v[2] & 0xffff_0000u32);
-            let mut hi = Vector::<u32, P>::empty();
-            hi[0] = (v[1] & 0xffffu32) | (v[3] << 16u32);
-            hi[1] = (v[1] >> 16u32) | (v[3] & 0xffff_0000u32);
+        if st_ok[u] {
+            let a = vals[at + 2 * u];
+            let b = vals[at + 2 * u + 1];
+            let mut lo = Vector::<u32, Q>::empty();
+            lo[0] = (a[0] & 0xffffu32) | (a[2] << 16u32);
+            lo[1] = (a[0] >> 16u32) | (a[2] & 0xffff_0000u32);
+            lo[2] = (b[0] & 0xffffu32) | (b[2] << 16u32);
+            lo[3] = (b[0] >> 16u32) | (b[2] & 0xffff_0000u32);
+            let mut hi = Vector::<u32, Q>::empty();
+            hi[0] = (a[1] & 0xffffu32) | (a[3] << 16u32);
+            hi[1] = (a[1] >> 16u32) | (a[3] & 0xffff_0000u32);
+            hi[2] = (b[1] & 0xffffu32) | (b[3] << 16u32);
+            hi[3] = (b[1] >> 16u32) | (b[3] & 0xffff_0000u32);
+            let at = base + st_off[u];
             xs[at] = lo;
             xs[at + 32] = hi;
         }
+    }
+}
+
+/// Issues the loads of chunk `c` into `w[at + j]`, `s[at + j]`: each row's 8 bytes of codes
+/// and the scale word holding its block's scale byte (unpredicated: see [`staged_body`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_codes<P: Size>(
+    codes: &Array<Vector<u32, P>>,
+    scale_bytes: &Array<u32>,
+    row_pair0: &Array<usize>,
+    row_elem0: &Array<usize>,
+    c: usize,
+    w: &mut Array<Vector<u32, P>>,
+    s: &mut Array<u32>,
+    #[comptime] r_tiles: usize,
+    #[comptime] block: usize,
+    #[comptime] at: usize,
+) {
+    #[unroll]
+    for j in 0..comptime!(2 * r_tiles) {
+        w[at + j] = codes[row_pair0[j] + c * 4];
+        s[at + j] = scale_bytes[(row_elem0[j] + c * CHUNK) / block / 4];
     }
 }
