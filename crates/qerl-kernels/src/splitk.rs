@@ -55,6 +55,94 @@ pub(crate) fn plan(
     (stages.div_ceil(per), per)
 }
 
+/// Time a cube spends on work other than its stages (prologue, epilogue and its stores), in
+/// stages: [`plan_waves`]' cost model.
+const CUBE_OVERHEAD_STAGES: f64 = 1.0;
+
+/// Cost of the partial sums of one wave of split tiles (`slots` tile-slices written by the
+/// product and read back by [`reduce`]), in stages. Measured on an H200 (2026-11-28, ncu, 7B
+/// decode at batch 64, 264 slots): with 4 the model split the gate/up product in 4 (592 -> 1184
+/// cubes, 2.24 -> 4.48 waves) and it took 94.0 µs and its reduction 12.3 against 93.4 and 8.3 in
+/// 2: past two waves a partly full last wave costs little (the other cube of its
+/// multiprocessors runs faster), so the partial sums weigh more than the model's waves; 8
+/// keeps gate/up at 2 and changes no other batch-64 or batch-256 choice.
+const SLICE_WAVE_STAGES: f64 = 8.0;
+
+/// Fixed cost of the reduction launch, in stages (~3 µs a launch at decode sizes).
+const REDUCE_LAUNCH_STAGES: f64 = 3.0;
+
+/// [`SLICE_WAVE_STAGES`], or `QERL_SPLIT_SLICE_COST` (read once) for experiments.
+fn slice_wave_stages() -> f64 {
+    static COST: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *COST.get_or_init(|| {
+        std::env::var("QERL_SPLIT_SLICE_COST")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|c: &f64| c.is_finite() && *c >= 0.0)
+            .unwrap_or(SLICE_WAVE_STAGES)
+    })
+}
+
+/// How a reduction of `stages` stages is split (`(splits, stages per split)`, every split
+/// non-empty) for a kernel that runs one cube per output tile and split, `tiles` tiles, when
+/// `slots` cubes fit on the device at once: the split with the least estimated time.
+///
+/// Why not [`plan`]'s "split until there are `target` groups": the cubes run in waves of
+/// `slots`, and a last wave that is partly full costs a whole one. On the staged `mma` product
+/// at batch 64 (2 cubes a multiprocessor, 264 slots on an H100) that planner gave the down
+/// product 15 slices of 20 stages (420 cubes: 1.59 waves, ncu found the multiprocessors busy
+/// 83% of the time), o 14 of 4 (392 cubes: 1.48 waves, 72%) and q/k/v 10 of 6 (360 cubes: 1.36
+/// waves, 73%), where 9, 8 and 7 slices fill one wave with fewer partial sums: on an H200
+/// (2026-11-28, ncu, one step) down 56.0 -> 47.8 µs, o 19.0 -> 15.5, q/k/v 20.4 -> 16.3, their
+/// reductions 6.4 -> 4.7 and 7.7 -> 7.1, the step 8.01 -> 7.58 ms of GPU time. The estimate,
+/// in stages: `waves · (per + CUBE_OVERHEAD_STAGES)`, plus, when split,
+/// `SLICE_WAVE_STAGES · tiles · splits / slots + REDUCE_LAUNCH_STAGES`; ties go to fewer
+/// splits. [`force_splits`] overrides it as it does [`plan`].
+pub(crate) fn plan_waves(
+    tiles: usize,
+    stages: usize,
+    slots: usize,
+    min_stages: usize,
+) -> (usize, usize) {
+    plan_waves_with(tiles, stages, slots, min_stages, slice_wave_stages())
+}
+
+/// [`plan_waves`] with the cost of a wave of tile-slices given.
+fn plan_waves_with(
+    tiles: usize,
+    stages: usize,
+    slots: usize,
+    min_stages: usize,
+    slice_cost: f64,
+) -> (usize, usize) {
+    let stages = stages.max(1);
+    let (tiles, slots) = (tiles.max(1), slots.max(1));
+    let forced = FORCED.load(Ordering::Relaxed);
+    if forced > 0 {
+        let per = stages.div_ceil(forced.clamp(1, stages));
+        return (stages.div_ceil(per), per);
+    }
+    let most = (stages / min_stages.max(1)).max(1);
+    let cost = |splits: usize, per: usize| {
+        let waves = (tiles * splits).div_ceil(slots) as f64;
+        let mut t = waves * (per as f64 + CUBE_OVERHEAD_STAGES);
+        if splits > 1 {
+            t += slice_cost * (tiles * splits) as f64 / slots as f64 + REDUCE_LAUNCH_STAGES;
+        }
+        t
+    };
+    let mut best = (1, stages, cost(1, stages));
+    for want in 2..=most {
+        let per = stages.div_ceil(want);
+        let splits = stages.div_ceil(per);
+        let t = cost(splits, per);
+        if t < best.2 - 1e-9 {
+            best = (splits, per, t);
+        }
+    }
+    (best.0, best.1)
+}
+
 /// Most slices for which [`reduce`] gives each unit four outputs. On an H200 (2026-11-27, ncu,
 /// 7B decode at batch 64) four outputs a unit took the gate/up reductions (3 slices) from 9.8
 /// to 7.1 µs, but the q/o/down ones (14-15 slices) from 6.5 to 7.3 and the k/v ones (14) from
@@ -341,7 +429,10 @@ pub(crate) fn reduce_segments<R: Runtime, F: Float, O: Float>(
 
 #[cfg(test)]
 mod tests {
-    use super::{plan, reduce, reduce_segments, ReduceEpilogue, ReduceSegment};
+    use super::{
+        plan, plan_waves_with, reduce, reduce_segments, ReduceEpilogue, ReduceSegment,
+        SLICE_WAVE_STAGES,
+    };
     use cubecl::prelude::*;
     use rand::{Rng, SeedableRng};
 
@@ -471,6 +562,36 @@ mod tests {
                     assert_eq!(got, want, "segment {i} of {widths:?}, m {m}, seed {seed}");
                     col0 += w;
                 }
+            }
+        }
+    }
+
+    /// The batch-64 products of a 7B model on the staged kernel (128-row tiles, 64-deep
+    /// stages, 264 slots): each narrow product fills one wave with fewer slices than the
+    /// warp-target planner gave (15, 14 and 10), and every plan covers the reduction.
+    #[test]
+    fn wave_plans_fill_whole_waves() {
+        // down: 28 tiles, 296 stages
+        assert_eq!(plan_waves_with(28, 296, 264, 4, SLICE_WAVE_STAGES), (9, 33));
+        // o: 28 tiles, 56 stages
+        assert_eq!(plan_waves_with(28, 56, 264, 4, SLICE_WAVE_STAGES), (8, 7));
+        // q/k/v as one launch: 36 tiles
+        assert_eq!(plan_waves_with(36, 56, 264, 4, SLICE_WAVE_STAGES), (7, 8));
+        // gate/up as one launch (296 tiles): 2 slices, as the warp target gave
+        assert_eq!(plan_waves_with(296, 56, 264, 4, SLICE_WAVE_STAGES), (2, 28));
+        // enough tiles for several full waves: no split
+        assert_eq!(
+            plan_waves_with(1056, 56, 264, 4, SLICE_WAVE_STAGES),
+            (1, 56)
+        );
+        for tiles in [1, 7, 28, 100, 263, 264, 265, 1184] {
+            for stages in [1, 2, 3, 17, 56, 100, 296, 592] {
+                let (s, per) = plan_waves_with(tiles, stages, 264, 4, SLICE_WAVE_STAGES);
+                assert!(s >= 1 && per * s >= stages && per * (s - 1) < stages);
+                assert!(
+                    s == 1 || per >= 4.min(stages),
+                    "{tiles} {stages}: {s} x {per}"
+                );
             }
         }
     }

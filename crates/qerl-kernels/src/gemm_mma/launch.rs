@@ -54,8 +54,9 @@ pub struct MmaOptions {
     /// (`QERL_MMA_X_AHEAD`, default [`DEFAULT_X_AHEAD`]).
     pub x_ahead: usize,
     /// Warps a multiprocessor should hold before the reduction is split
-    /// (`QERL_MMA_WARPS_PER_SM`); 0, the default ([`DEFAULT_WARPS_PER_SM`]), picks by M:
-    /// 12 up to 8 rows, 24 above.
+    /// (`QERL_MMA_WARPS_PER_SM`); 0, the default ([`DEFAULT_WARPS_PER_SM`]), picks the split
+    /// by whole waves of cubes on the staged kernel ([`crate::splitk`]'s `plan_waves`) and by
+    /// M on the direct one: 12 warps up to 8 rows, 24 above.
     pub warps_per_sm: usize,
     /// Fewest rows this kernel takes ahead of the decode kernel (`QERL_MMA_MIN_M`, default
     /// [`DEFAULT_MIN_M`]); below it, up to 8 rows go to [`crate::gemv`].
@@ -83,6 +84,19 @@ fn split_target(m: usize, o: &MmaOptions) -> usize {
         0 => 24,
         w => w,
     }
+}
+
+/// Registers a unit of the staged kernel holds, as the CUDA compiler allocates them (ncu, H100,
+/// 2026-11-28: 126 for the staged kernel at 1x8 tiles and 127 for the segments kernel; the
+/// register file is handed out in multiples of 8 a unit).
+const STAGED_UNIT_REGISTERS: usize = 128;
+
+/// Cubes of `warps` warps of the staged kernel that one multiprocessor holds at once: its
+/// 65,536 registers over [`STAGED_UNIT_REGISTERS`] a unit (2 cubes of 8 warps), at most 64
+/// warps. What the split-K planner counts as a wave.
+fn resident_cubes(warps: usize) -> usize {
+    let warps = warps.max(1);
+    (65_536 / (STAGED_UNIT_REGISTERS * 32 * warps)).clamp(1, 64 / warps.min(64))
 }
 
 /// Chunks of codes in flight in the staged kernel by default. Since its K loop issues no
@@ -357,15 +371,19 @@ impl Geometry {
         let (r_tiles, m_tiles) = pick_tiles(m, o, staged);
         let row_groups = n.div_ceil(16 * r_tiles);
         let m_groups = m.div_ceil(8 * m_tiles);
-        let target = split_target(m, o) * sms;
-        let (splits, per) =
-            splitk::plan(row_groups * m_groups, k / CHUNK, target, MIN_SPLIT_CHUNKS);
         let warps = match o.warps_per_cube {
             0 if staged => STAGED_WARPS_PER_CUBE,
             0 => DEFAULT_WARPS_PER_CUBE,
             w => w,
         };
         let cubes_n = row_groups.div_ceil(warps);
+        let (splits, per) = if staged && o.warps_per_sm == 0 {
+            let slots = sms * resident_cubes(warps);
+            splitk::plan_waves(cubes_n * m_groups, k / CHUNK, slots, MIN_SPLIT_CHUNKS)
+        } else {
+            let target = split_target(m, o) * sms;
+            splitk::plan(row_groups * m_groups, k / CHUNK, target, MIN_SPLIT_CHUNKS)
+        };
         // Up to 64 rows (at most 2 token groups) the grid stays as measured: weight rows
         // fastest.
         let m_major = m_groups > 2;
@@ -531,6 +549,26 @@ mod tests {
         let g = Geometry::plan(100, 512, 3584, &o, 132, false);
         assert!(g.m_major && !g.staged);
         assert_eq!(g.decode, super::super::DECODE_TABLE);
+    }
+
+    /// The staged kernel splits by whole waves (two 8-warp cubes a multiprocessor): the 7B
+    /// batch-64 down and o products fill one wave of 264 cubes; an explicit warp target keeps
+    /// the earlier planner.
+    #[test]
+    fn staged_splits_fill_whole_waves() {
+        let o = defaults();
+        assert_eq!(resident_cubes(STAGED_WARPS_PER_CUBE), 2);
+        let down = Geometry::plan(64, 3584, 18944, &o, 132, true);
+        assert!(down.staged);
+        assert_eq!((down.grid, down.per), ((28, 1, 9), 33));
+        let out = Geometry::plan(64, 3584, 3584, &o, 132, true);
+        assert_eq!((out.grid, out.per), ((28, 1, 8), 7));
+        let target = MmaOptions {
+            warps_per_sm: 24,
+            ..o
+        };
+        let down = Geometry::plan(64, 3584, 18944, &target, 132, true);
+        assert_eq!((down.grid, down.per), ((28, 1, 15), 20));
     }
 
     /// Every row of the grid's token groups is covered once: groups x 8 x m_tiles >= M.
