@@ -5,8 +5,9 @@
 # in one binary, then one decode step's GPU time by kernel (ncu) under each.
 # Carry .device/qerl.tar.gz (the release `qerl`, --features cuda).
 # Env: VARIANTS (device_mma_check.sh's), PROFILE (1), PROFILE_SPEC (device_step_profile.sh's
-#   arguments), TOP (kernels listed, 24), PROFILE256 (1: batch-256 steps too, waves and target,
-#   with the skip of a 64-token run), GEMV (0: the batch-1 products' launch geometry).
+#   arguments), TOP (kernels listed, 24), PROFILE256 (1: batch-256 steps too, PROFILE256_SPEC,
+#   default waves and target, 64 new tokens, SKIP256 56000, COUNT256 16000 launches), GEMV (0: the
+#   batch-1 products' launch geometry).
 # Everything the call prints is also in $OUT/log.txt; the files under $OUT are packed into
 # $OUT/results.tgz at the end (a call brings back only a few files).
 # There: bash tools/device_split_ab.sh
@@ -23,8 +24,9 @@ if [ "${PROFILE:-1}" = 1 ]; then
   TOP=${TOP:-24} bash tools/device_step_profile.sh ${PROFILE_SPEC:-"waves:@64" "target:QERL_MMA_WARPS_PER_SM=24@64"}
 fi
 if [ "${PROFILE256:-1}" = 1 ]; then
-  SKIP=53000 NEW=64 NCU_T=${NCU_T256:-120} TOP=${TOP:-24} bash tools/device_step_profile.sh \
-    "waves:@256" "target:QERL_MMA_WARPS_PER_SM=24@256"
+  # shellcheck disable=SC2086
+  SKIP=${SKIP256:-56000} COUNT=${COUNT256:-16000} NEW=64 NCU_T=${NCU_T256:-240} TOP=${TOP:-24} \
+    bash tools/device_step_profile.sh ${PROFILE256_SPEC:-"waves:@256" "target:QERL_MMA_WARPS_PER_SM=24@256"}
 fi
 # GEMV=1: the batch-1 decode products' launch geometry (ncu: grid, registers, waves, the time
 # the multiprocessors were busy) on GEMV_COUNT gemv launches of the decode steps.

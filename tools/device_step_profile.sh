@@ -6,8 +6,10 @@
 #   each argument: a variant name, its environment (comma-separated, may be empty) and its batches.
 # Env: SHAPE (qwen2.5-7b), PRECISION (nvfp4), NCU_T (per run, 150 s), TOP (kernels listed, 12),
 #   STEP (launches between two sampling launches that make one decode step, 200-900: ~285 at
-#   batch 1 since session 17's fusions, 600-800 at batch 64), NEW (new tokens a run, 16), SKIP (launches
-#   skipped, overriding the estimate below; at batch 256: NEW=64 SKIP=53000).
+#   batch 1 since session 17's fusions, 480-800 at batch 64), NEW (new tokens a run, 16),
+#   PROMPT (prompt tokens, 256; the skip estimate assumes 256), COUNT (launches profiled, 3000),
+#   SKIP (launches skipped, overriding the estimate below; at batch 256 the estimate and 53,000
+#   with NEW=64 both fell in the timed prefill: session 22 used SKIP=56000 COUNT=16000 NEW=64).
 # The launches skipped are estimated per batch from a 7B profile (2026-11-27): ~7,200 building
 # the model, then a warm-up (the prefill, ~1,400 launches per 4,096-row pass, and one decode step
 # of ~677) and the timed run's prefill; the window (COUNT, 3000) then holds a few decode steps,
@@ -17,14 +19,14 @@ for spec in "$@"; do
   name=${spec%%:*}; rest=${spec#*:}; envs=${rest%@*}; batches=${rest##*@}
   IFS=, read -ra ev <<< "$envs"
   for b in ${batches//+/ }; do
-    passes=$(( (b * 256 + 4095) / 4096 ))
+    passes=$(( (b * ${PROMPT:-256} + 4095) / 4096 ))
     skip=${SKIP:-$(( 7190 + 2 * 1400 * passes + 677 * 3 - 500 ))}
     csv="$OUT/ncu-$name-b$b.csv"
     start=$SECONDS
     env "${ev[@]}" timeout -k 10 ${NCU_T:-150} ncu --clock-control none --metrics gpu__time_duration.sum --csv \
       --launch-skip $skip --launch-count ${COUNT:-3000} \
       /tmp/qerl bench rollout --shape ${SHAPE:-qwen2.5-7b} --precision ${PRECISION:-nvfp4} --batch $b \
-      --prompt 256 --new-tokens ${NEW:-16} --no-check > "$csv" 2>/dev/null
+      --prompt ${PROMPT:-256} --new-tokens ${NEW:-16} --no-check > "$csv" 2>/dev/null
     echo "== $name batch $b (${envs:-defaults}): ncu $((SECONDS - start)) s"
     python3 - "$csv" "${TOP:-12}" "${STEP:-200-900}" <<'PY'
 import csv, sys, collections

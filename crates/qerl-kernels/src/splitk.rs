@@ -150,6 +150,17 @@ fn plan_waves_with(
 /// units keep a quarter of the loads in flight.
 const VECTOR_MAX_SPLITS: usize = 4;
 
+/// [`VECTOR_MAX_SPLITS`], or `QERL_REDUCE_VECTOR_MAX_SPLITS` (read once) for experiments.
+fn vector_max_splits() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("QERL_REDUCE_VECTOR_MAX_SPLITS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(VECTOR_MAX_SPLITS)
+    })
+}
+
 /// A workspace for `splits` partial products of `m x n` f32.
 pub(crate) fn workspace<R: Runtime>(
     client: &ComputeClient<R>,
@@ -246,7 +257,7 @@ pub(crate) fn reduce<R: Runtime, F: Float, O: Float>(
     let sms = multiprocessors(client);
     let vs = if n.is_multiple_of(4)
         && aligned
-        && splits <= VECTOR_MAX_SPLITS
+        && splits <= vector_max_splits()
         && total / 4 >= 256 * sms
     {
         4
@@ -390,7 +401,7 @@ pub(crate) fn reduce_segments<R: Runtime, F: Float, O: Float>(
             .is_none_or(|o| o.is_multiple_of(4 * std::mem::size_of::<O>() as u64))
     };
     let vs = if segs.iter().all(|s| s.n.is_multiple_of(4) && aligned(s.y))
-        && splits <= VECTOR_MAX_SPLITS
+        && splits <= vector_max_splits()
     {
         4
     } else {
