@@ -50,8 +50,13 @@ pub(crate) fn plan(
             .div_ceil(groups.max(1))
             .min(stages / min_stages.max(1))
     };
-    let want = want.clamp(1, stages);
-    let per = stages.div_ceil(want);
+    slices(stages, want)
+}
+
+/// `(splits, stages per split)` for about `want` splits of `stages` stages: every split
+/// non-empty, the last one possibly shorter.
+fn slices(stages: usize, want: usize) -> (usize, usize) {
+    let per = stages.div_ceil(want.clamp(1, stages));
     (stages.div_ceil(per), per)
 }
 
@@ -119,8 +124,7 @@ fn plan_waves_with(
     let (tiles, slots) = (tiles.max(1), slots.max(1));
     let forced = FORCED.load(Ordering::Relaxed);
     if forced > 0 {
-        let per = stages.div_ceil(forced.clamp(1, stages));
-        return (stages.div_ceil(per), per);
+        return slices(stages, forced);
     }
     let most = (stages / min_stages.max(1)).max(1);
     let cost = |splits: usize, per: usize| {
@@ -133,8 +137,7 @@ fn plan_waves_with(
     };
     let mut best = (1, stages, cost(1, stages));
     for want in 2..=most {
-        let per = stages.div_ceil(want);
-        let splits = stages.div_ceil(per);
+        let (splits, per) = slices(stages, want);
         let t = cost(splits, per);
         if t < best.2 - 1e-9 {
             best = (splits, per, t);
