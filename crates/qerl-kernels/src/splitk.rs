@@ -98,8 +98,9 @@ fn slice_wave_stages() -> f64 {
 /// product 15 slices of 20 stages (420 cubes: 1.59 waves, ncu found the multiprocessors busy
 /// 83% of the time), o 14 of 4 (392 cubes: 1.48 waves, 72%) and q/k/v 10 of 6 (360 cubes: 1.36
 /// waves, 73%), where 9, 8 and 7 slices fill one wave with fewer partial sums: on an H200
-/// (2026-11-28, ncu, one step) down 56.0 -> 47.8 µs, o 19.0 -> 15.5, q/k/v 20.4 -> 16.3, their
-/// reductions 6.4 -> 4.7 and 7.7 -> 7.1, the step 8.01 -> 7.58 ms of GPU time. The estimate,
+/// (2026-11-28, ncu, one step, both planners in one call) down 56.2 -> 47.6 µs, o 19.2 -> 15.6,
+/// q/k/v 20.9 -> 16.3, their reductions 6.5 -> 4.7 and 7.8 -> 7.2, the step 8.03 -> 7.45 ms of
+/// GPU time. The estimate,
 /// in stages: `waves · (per + CUBE_OVERHEAD_STAGES)`, plus, when split,
 /// `SLICE_WAVE_STAGES · tiles · splits / slots + REDUCE_LAUNCH_STAGES`; ties go to fewer
 /// splits. [`force_splits`] overrides it as it does [`plan`].
