@@ -25,7 +25,8 @@ use cubecl::server::Handle;
 pub use crate::gemm_mma::{
     launches as mma_launches, options as mma_options, segment_launches as mma_segment_launches,
     segments_enabled as mma_segments, set_options as set_mma_options,
-    set_segments as set_mma_segments, MmaDecode, MmaKernel, MmaOptions,
+    set_segments as set_mma_segments, warpgroup_launches as mma_warpgroup_launches, MmaDecode,
+    MmaKernel, MmaOptions,
     DEFAULT_MAX_M as MMA_DEFAULT_MAX_M, DEFAULT_PREFETCH as MMA_DEFAULT_PREFETCH,
     DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM, DEFAULT_X_AHEAD as MMA_DEFAULT_X_AHEAD,
     MAX_M_LIMIT as MMA_MAX_M_LIMIT,

@@ -842,6 +842,7 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
     let only_default = std::env::var("QERL_MMA_TEST_TILES").is_ok_and(|v| v == "default");
     let tiles = &all_tiles[..if only_default { 1 } else { all_tiles.len() }];
     let before = gemm::mma_launches();
+    let wg_before = gemm::mma_warpgroup_launches();
     for (ci, (format, m, n, k)) in cases.into_iter().enumerate() {
         let w = random_weight(&mut rng, format, n, k);
         let dw = DeviceWeight::upload(&c, &w).unwrap();
@@ -932,6 +933,17 @@ pub fn matmul_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f
         gemm::mma_launches() > before,
         "the mma kernel never ran (seed {seed})"
     );
+    warpgroup_ran(wg_before);
+}
+
+/// With `QERL_MMA_TEST_KERNEL=warpgroup` (asked for on an sm_90 GPU), that the warpgroup
+/// kernel ran rather than the staged kernel it falls back to elsewhere.
+fn warpgroup_ran(before: usize) {
+    let ran = gemm::mma_warpgroup_launches() - before;
+    eprintln!("warpgroup kernel launches: {ran}");
+    if std::env::var("QERL_MMA_TEST_KERNEL").as_deref() == Ok("warpgroup") {
+        assert!(ran > 0, "QERL_MMA_TEST_KERNEL=warpgroup: the warpgroup kernel never ran");
+    }
 }
 
 /// One segment of [`matmul_mma_segments`]: its weight, bias, LoRA `A`/`B` and `T = X·Aᵀ`
@@ -1057,11 +1069,16 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
         return;
     }
     let (mut rng, seed) = fresh_rng();
+    // QERL_MMA_TEST_KERNEL=warpgroup runs the segments on the warpgroup kernel (sm_90).
+    let kernel = match std::env::var("QERL_MMA_TEST_KERNEL").as_deref() {
+        Ok("warpgroup") => gemm::MmaKernel::Warpgroup,
+        _ => gemm::MmaKernel::Auto,
+    };
     let _m = mma_guard(gemm::MmaOptions {
         enabled: true,
         tiles: None,
         decode: gemm::MmaDecode::Auto,
-        kernel: gemm::MmaKernel::Auto,
+        kernel,
         prefetch: gemm::MMA_DEFAULT_PREFETCH,
         x_ahead: gemm::MMA_DEFAULT_X_AHEAD,
         warps_per_sm: gemm::MMA_DEFAULT_WARPS_PER_SM,
@@ -1087,6 +1104,7 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
         (QuantFormat::Mxfp4, 9, &[256, 512], 192),
     ];
     let before = gemm::mma_segment_launches();
+    let wg_before = gemm::mma_warpgroup_launches();
     let mut ran = 0;
     for (format, m, widths, k) in cases {
         let x = normal(&mut rng, m * k, 1.0);
@@ -1127,6 +1145,7 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
         ran,
         "the segmented mma path did not run for every case (seed {seed})"
     );
+    warpgroup_ran(wg_before);
 
     // Layouts it does not take: nothing launched, `Ok(false)` for the caller's fallback.
     let (m, k) = (64, 256);

@@ -45,7 +45,7 @@ pub struct MmaOptions {
     pub tiles: Option<(usize, usize)>,
     /// How E2M1 codes become `F` (`QERL_MMA_DECODE=auto|table|bits|pairs|spread`).
     pub decode: MmaDecode,
-    /// Where the `B` fragments come from (`QERL_MMA_KERNEL=auto|direct|staged`).
+    /// Where the `B` fragments come from (`QERL_MMA_KERNEL=auto|direct|staged|warpgroup`).
     pub kernel: MmaKernel,
     /// Chunks of codes the staged kernel keeps in flight, 1 to 4 (`QERL_MMA_PREFETCH`, default
     /// [`DEFAULT_PREFETCH`]).
@@ -132,6 +132,7 @@ impl MmaOptions {
             kernel: match var("QERL_MMA_KERNEL").as_deref() {
                 Some("direct") => MmaKernel::Direct,
                 Some("staged") => MmaKernel::Staged,
+                Some("warpgroup") => MmaKernel::Warpgroup,
                 _ => MmaKernel::Auto,
             },
             prefetch: var("QERL_MMA_PREFETCH")
@@ -205,13 +206,17 @@ pub enum MmaKernel {
     /// `X` copied into shared memory in fragment order once per cube and chunk (bf16 with the
     /// spread decoding only; the direct kernel elsewhere).
     Staged,
+    /// The staged kernel's tiles and split on Hopper's warpgroup MMA, `B` read by the tensor
+    /// cores from shared memory (`gemm_mma/warpgroup.cu`; CUDA sm_90 only, the staged kernel
+    /// elsewhere).
+    Warpgroup,
     /// The default: staged wherever it applies.
     Auto,
 }
 
 impl MmaKernel {
     /// The concrete kernels (what the CUDA test loops over).
-    pub const ALL: [MmaKernel; 2] = [Self::Direct, Self::Staged];
+    pub const ALL: [MmaKernel; 3] = [Self::Direct, Self::Staged, Self::Warpgroup];
 }
 
 fn valid_tiles(r: usize, m: usize) -> bool {
@@ -286,6 +291,10 @@ fn pick_tiles(m: usize, o: &MmaOptions, staged: bool) -> (usize, usize) {
     if let Some(t) = o.tiles {
         return t;
     }
+    if staged && o.kernel == MmaKernel::Warpgroup {
+        // One 16-row tile a warp (a warpgroup: 64 rows), all the cube's tokens in one `wgmma`.
+        return (1, m.div_ceil(8).clamp(1, 8));
+    }
     if staged {
         // One decoded A fragment feeds every token tile of the cube's copy: up to 64 tokens.
         // Above 32 rows one 16-row tile a warp: on an H100 (2026-11-27, ncu, 7B decode at batch
@@ -343,6 +352,8 @@ pub(super) struct Geometry {
     pub(super) decode: u32,
     /// `X` through shared memory ([`MmaKernel::Staged`]).
     pub(super) staged: bool,
+    /// The staged product on warpgroup MMA where the device has it ([`MmaKernel::Warpgroup`]).
+    pub(super) warpgroup: bool,
     pub(super) prefetch: usize,
     pub(super) x_ahead: usize,
 }
@@ -400,6 +411,7 @@ impl Geometry {
             per,
             decode,
             staged,
+            warpgroup: staged && o.kernel == MmaKernel::Warpgroup && r_tiles == 1,
             prefetch: o.prefetch,
             x_ahead: o.x_ahead,
         }
@@ -423,6 +435,24 @@ impl Geometry {
             let u = weight.code_table.clone();
             (u.clone(), u, 0, 0.0)
         });
+        #[cfg(feature = "cuda")]
+        if super::warpgroup::runs(client, self) {
+            let seg = super::warpgroup::SegmentArgs {
+                codes: weight.codes.clone(),
+                scale_bytes: weight.scale_bytes.clone(),
+                scale_table: weight.scale_table.clone(),
+                bias,
+                lora_t: t,
+                lora_b: b,
+                y: y.clone(),
+                n,
+                lora_scale: scale,
+            };
+            let out_f32 = O::as_type_native_unchecked() == f32::as_type_native_unchecked();
+            let flags = (has_bias, has_lora, out_f32);
+            super::warpgroup::launch(client, x, m, k, weight.block(), self, &[seg], flags, rank);
+            return;
+        }
         let count = CubeCount::Static(self.grid.0 as u32, self.grid.1 as u32, self.grid.2 as u32);
         if self.staged {
             // SAFETY: as below; `X` is read as 16-byte vectors (K is a multiple of 64).

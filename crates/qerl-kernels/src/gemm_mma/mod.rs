@@ -46,6 +46,8 @@
 mod launch;
 mod segments;
 mod staged;
+#[cfg(feature = "cuda")]
+mod warpgroup;
 
 pub(crate) use launch::{applies, launch};
 pub use launch::{
@@ -59,6 +61,15 @@ pub(crate) use segments::{launch as launch_segments, plan as plan_segments};
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+static WARPGROUP_LAUNCHES: AtomicUsize = AtomicUsize::new(0);
+
+/// Products the warpgroup kernel ([`MmaKernel::Warpgroup`]) has run in this process (tests
+/// check that it ran rather than the staged kernel it falls back to).
+pub fn warpgroup_launches() -> usize {
+    WARPGROUP_LAUNCHES.load(Ordering::Relaxed)
+}
 
 /// Reduction depth of one chunk: 64 codes, 32 bytes of a weight row.
 pub(crate) const CHUNK: usize = 64;

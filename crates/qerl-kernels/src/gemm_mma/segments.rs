@@ -324,6 +324,33 @@ fn run<R: Runtime, F: Float, O: Float>(
             scale,
         )
     };
+    #[cfg(feature = "cuda")]
+    if super::warpgroup::runs(client, g) {
+        let wsegs: Vec<super::warpgroup::SegmentArgs> = segs
+            .iter()
+            .map(|s| {
+                let (t, b, scale) = match s.lora {
+                    Some((t, b, _, scale)) => (t.clone(), b.clone(), scale),
+                    None => (unused.clone(), unused.clone(), 0.0),
+                };
+                super::warpgroup::SegmentArgs {
+                    codes: s.weight.codes.clone(),
+                    scale_bytes: s.weight.scale_bytes.clone(),
+                    scale_table: s.weight.scale_table.clone(),
+                    bias: s.bias.filter(|_| has_bias).unwrap_or(&unused).clone(),
+                    lora_t: t,
+                    lora_b: b,
+                    y: part.unwrap_or(s.y).clone(),
+                    n: s.weight.n,
+                    lora_scale: scale,
+                }
+            })
+            .collect();
+        let out_f32 = part.is_some();
+        let flags = (has_bias, has_lora, out_f32);
+        super::warpgroup::launch(client, x, m, k, w.block(), g, &wsegs, flags, rank);
+        return;
+    }
     let (a0, a1, a2) = (args(0), args(1), args(2));
     let count = CubeCount::Static(g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32);
     // SAFETY: as above; `X` is read as 16-byte vectors (K is a multiple of 64).

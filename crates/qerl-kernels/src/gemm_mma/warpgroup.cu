@@ -1,0 +1,377 @@
+// The decode-batch W4A16 product on Hopper's warpgroup MMA (`wgmma`), hand-written CUDA that
+// cubecl 0.10 cannot emit (see warpgroup.rs for why, and how it is launched through cubecl's own
+// stream). One launch computes, for one weight or for two or three weights sharing `X` (q/k/v,
+// gate/up: "segments"),
+//
+//     Y[M, N] = X[M, K] * deq(W)^T (+ bias) (+ s*T*B^T)
+//
+// exactly as the staged kernel (staged.rs) does, with the same spread decoding, the same
+// permuted reduction order inside a 64-deep chunk, the same split-K and the same outputs; only
+// the `B` operand (the tokens' `X`) changes hands: the staged kernel's warps each read their
+// `B` fragments from shared memory (256 bytes a `mma`, its binding limit), here the tensor
+// cores read them for a whole warpgroup (4 warps, 64 weight rows) straight from shared memory,
+// one `wgmma.m64nNk16` a 16-deep step for all `N = 8*M_TILES` tokens of the cube.
+//
+// The host prepends the configuration:
+//   WARPS (4 or 8), M_TILES (1..16: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
+//   DEPTH (chunks of codes in flight, 1..4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
+//   SEGMENTS (1..3), MIN_CUBES (cubes a multiprocessor must hold: caps the registers), LBO,
+//   SBO (descriptor strides), and `wgmma_step` for this N in place of the marker below.
+//
+// Shared memory: `X` of one chunk (N tokens x 64) as 8x8 core matrices (128 bytes: 8 tokens x
+// 8 values), core `((nb*4 + s)*2 + kh)` holding tokens `8nb..8nb+8` at the logical columns
+// `8kh..8kh+8` of step `s`. A step's descriptor starts at its first core; the core next along
+// K is 128 bytes on (LBO), the next 8 tokens 1024 (SBO).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+struct __align__(8) u32x2 { u32 x, y; };
+
+// Scalars, packed by warpgroup.rs in this order (u32 then f32, little-endian).
+struct Info {
+    u32 m_rows, n0, n1, n2, n_total, cubes0, cubes1, k_dim, split_chunks, rank;
+    float scale0, scale1, scale2;
+};
+
+#if OUT_F32
+typedef float out_t;
+#else
+typedef u16 out_t;
+#endif
+
+#define THREADS (WARPS * 32)
+#define N_TOK (8 * M_TILES)
+#define CHUNK 64
+// u32 words of one chunk's `X` buffer: N_TOK tokens x 64 bf16.
+#define BUF_WORDS (N_TOK * 32)
+#define WIDTH (WARPS * 16)
+#define TWO_POW_63 9.223372036854775808e18f
+
+// No header is included: NVRTC compiles this text as it is.
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// Codes i and i + 4 of an E2M1 word as a bf16 pair times 2^-126 (staged.rs' spread_bits).
+__device__ __forceinline__ u32 spread_bits(u32 word, int i) {
+    u32 v = word >> (4 * i);
+    return ((v << 6) & 0x01C001C0u) | ((v << 12) & 0x80008000u);
+}
+
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 bf16_of(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// (lo, hi) as a bf16 pair, lo in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// A K-major operand without swizzle: start, LBO (next core along K), SBO (next 8 rows).
+__device__ __forceinline__ u64 smem_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((LBO & 0x3FFFF) >> 4) << 16)
+        | ((u64)((SBO & 0x3FFFF) >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Keeps the compiler from moving reads or writes of `r` across the asynchronous steps.
+__device__ __forceinline__ void fence_operand(float& r) {
+    asm volatile("" : "+f"(r)::"memory");
+}
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// d += A*B for one m16n8k16 tile (the LoRA steps).
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// @wgmma_step@
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a16(
+    const u32x4* __restrict__ x,
+    const u32x2* __restrict__ codes0, const u32* __restrict__ scale_bytes0,
+    const float* __restrict__ scale_table0, const u16* __restrict__ bias0,
+    const float* __restrict__ lora_t0, const u32* __restrict__ lora_b0, out_t* y0,
+    const u32x2* __restrict__ codes1, const u32* __restrict__ scale_bytes1,
+    const float* __restrict__ scale_table1, const u16* __restrict__ bias1,
+    const float* __restrict__ lora_t1, const u32* __restrict__ lora_b1, out_t* y1,
+    const u32x2* __restrict__ codes2, const u32* __restrict__ scale_bytes2,
+    const float* __restrict__ scale_table2, const u16* __restrict__ bias2,
+    const float* __restrict__ lora_t2, const u32* __restrict__ lora_b2, out_t* y2,
+    const Info info) {
+    __shared__ float stab[256];
+    __shared__ __align__(128) u32 xs[2 * BUF_WORDS];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int cube_n = M_MAJOR ? blockIdx.y : blockIdx.x;
+    const int cube_m = M_MAJOR ? blockIdx.x : blockIdx.y;
+
+    // This cube's segment (uniform per cube: every segment's N is a multiple of WIDTH).
+    const u32x2* codes = codes0;
+    const u32* scale_bytes = scale_bytes0;
+    const float* scale_table = scale_table0;
+    const u16* bias = bias0;
+    const float* lora_t = lora_t0;
+    const u32* lora_b = lora_b0;
+    out_t* y = y0;
+    int n_cols = info.n0, seg_cube0 = 0;
+    float lora_scale = info.scale0;
+    if (SEGMENTS > 1 && cube_n >= (int)info.cubes0) {
+        if (SEGMENTS == 2 || cube_n < (int)info.cubes1) {
+            codes = codes1; scale_bytes = scale_bytes1; scale_table = scale_table1;
+            bias = bias1; lora_t = lora_t1; lora_b = lora_b1; y = y1;
+            n_cols = info.n1; seg_cube0 = info.cubes0; lora_scale = info.scale1;
+        } else {
+            codes = codes2; scale_bytes = scale_bytes2; scale_table = scale_table2;
+            bias = bias2; lora_t = lora_t2; lora_b = lora_b2; y = y2;
+            n_cols = info.n2; seg_cube0 = info.cubes1; lora_scale = info.scale2;
+        }
+    }
+    const int m_rows = info.m_rows, k_dim = info.k_dim, rank = info.rank;
+    const int n0 = ((cube_n - seg_cube0) * WARPS + warp) * 16;
+    const int m0 = cube_m * N_TOK;
+    const int chunks = k_dim / CHUNK, last_chunk = chunks - 1;
+    int c0 = 0, c1 = chunks;
+    long out0 = 0;
+    int y_stride = n_cols;
+#if SPLIT
+    {
+        const int z = blockIdx.z;
+        c0 = imin(z * (int)info.split_chunks, chunks);
+        c1 = imin(c0 + (int)info.split_chunks, chunks);
+        y_stride = info.n_total;
+        out0 = (long)z * m_rows * info.n_total + (long)seg_cube0 * WIDTH;
+    }
+#endif
+
+    for (int i = tid; i < 256; i += THREADS) stab[i] = scale_table[i];
+
+    // The copy of `X`: item = (token n, 16-byte group j = 2tt + w of the chunk's 64 values);
+    // lanes take 8 tokens x 4 groups, so each of the four words lands conflict-free.
+    constexpr int items = N_TOK * 8;
+    constexpr int per = (N_TOK * 8 + THREADS - 1) / THREADS;
+    int x_off[per];
+    int st_off[per];
+    bool st_ok[per];
+#pragma unroll
+    for (int u = 0; u < per; ++u) {
+        const int item = tid + u * THREADS;
+        st_ok[u] = item < items;
+        const int ic = imin(item, items - 1);
+        const int tt = ic & 3, nlo = (ic >> 2) & 7, w = (ic >> 5) & 1, nb = ic >> 6;
+        const int tok = imin(m0 + nb * 8 + nlo, m_rows - 1);
+        x_off[u] = tok * (k_dim / 8) + 2 * tt + w;
+        st_off[u] = ((nb * 4 + 2 * w) * 2) * 32 + nlo * 4 + tt;
+    }
+    u32x4 xr[per];
+#pragma unroll
+    for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c0, last_chunk) * 8];
+    // Stores the chunk in `xr` into buffer `b`: word q of a group (values q%4 and q%4 + 4 of its
+    // 8, see the layout above) goes to core `base + q`.
+#define STORE_X(b)                                                                       \
+    _Pragma("unroll") for (int u = 0; u < per; ++u) {                                   \
+        if (st_ok[u]) {                                                                  \
+            const u32x4 v = xr[u];                                                       \
+            u32* dst = xs + (b) * BUF_WORDS + st_off[u];                                 \
+            dst[0] = (v.x & 0xffffu) | (v.z << 16);                                      \
+            dst[32] = (v.x >> 16) | (v.z & 0xffff0000u);                                 \
+            dst[64] = (v.y & 0xffffu) | (v.w << 16);                                     \
+            dst[96] = (v.y >> 16) | (v.w & 0xffff0000u);                                 \
+        }                                                                                \
+    }
+    STORE_X(0);
+#pragma unroll
+    for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c0 + 1, last_chunk) * 8];
+
+    // Rows g and g + 8 of this warp's 16 (a row past N reads row N - 1; never stored).
+    long row_pair0[2], row_elem0[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = imin(n0 + h * 8 + g, n_cols - 1);
+        row_pair0[h] = (long)n * (k_dim / 16) + t;
+        row_elem0[h] = (long)n * k_dim + 16 * t;
+    }
+    u32x2 wq[DEPTH + 1][2];
+    u32 sq[DEPTH + 1][2];
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+        const int c = imin(c0 + d, last_chunk);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            wq[d][h] = codes[row_pair0[h] + c * 4];
+            sq[d][h] = scale_bytes[(row_elem0[h] + c * CHUNK) / BLOCK / 4];
+        }
+    }
+
+    float acc[N_TOK / 2];
+#pragma unroll
+    for (int i = 0; i < N_TOK / 2; ++i) acc[i] = 0.0f;
+
+    fence_proxy_async();
+    __syncthreads();
+
+    const u32 xs_base = smem_addr(xs);
+    int buf = 0;
+    for (int c = c0; c < c1; ++c) {
+        // Chunk c's codes, then the next load into the ring's end.
+        u32x2 w0 = wq[0][0], w1 = wq[0][1];
+        u32 s0 = sq[0][0], s1 = sq[0][1];
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+            wq[d][0] = wq[d + 1][0];
+            wq[d][1] = wq[d + 1][1];
+            sq[d][0] = sq[d + 1][0];
+            sq[d][1] = sq[d + 1][1];
+        }
+        {
+            const int cn = imin(c + DEPTH, last_chunk);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                wq[DEPTH - 1][h] = codes[row_pair0[h] + cn * 4];
+                sq[DEPTH - 1][h] = scale_bytes[(row_elem0[h] + cn * CHUNK) / BLOCK / 4];
+            }
+        }
+        // One block scale a row for the lane's 16 codes, with 2^63 of the placement's 2^126.
+        u32 sc[2];
+        {
+            const long b0 = (row_elem0[0] + (long)c * CHUNK) / BLOCK;
+            const long b1 = (row_elem0[1] + (long)c * CHUNK) / BLOCK;
+            const u32 byte0 = (s0 >> ((b0 % 4) * 8)) & 0xffu;
+            const u32 byte1 = (s1 >> ((b1 % 4) * 8)) & 0xffu;
+            const u32 h0 = bf16_of(stab[byte0] * TWO_POW_63);
+            const u32 h1 = bf16_of(stab[byte1] * TWO_POW_63);
+            sc[0] = h0 | (h0 << 16);
+            sc[1] = h1 | (h1 << 16);
+        }
+        // Step s: code pairs (i0, i0 + 4) and (i0 + 1, i0 + 5) of word s / 2.
+        u32 a[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int i0 = 2 * (s % 2);
+            const u32 wg = (s / 2) ? w0.y : w0.x;
+            const u32 wg8 = (s / 2) ? w1.y : w1.x;
+            a[s][0] = mul_bf16x2(spread_bits(wg, i0), sc[0]);
+            a[s][1] = mul_bf16x2(spread_bits(wg8, i0), sc[1]);
+            a[s][2] = mul_bf16x2(spread_bits(wg, i0 + 1), sc[0]);
+            a[s][3] = mul_bf16x2(spread_bits(wg8, i0 + 1), sc[1]);
+        }
+#pragma unroll
+        for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const u64 desc = smem_desc(xs_base + (buf * BUF_WORDS + s * 2 * 32) * 4);
+            wgmma_step(acc, a[s][0], a[s][1], a[s][2], a[s][3], desc);
+        }
+        wgmma_commit();
+        // Chunk c + 1 into the other buffer (its readers, chunk c - 1's steps, have finished),
+        // then chunk c + 2's loads, while the tensor cores work.
+        if (buf) {
+            STORE_X(0);
+        } else {
+            STORE_X(1);
+        }
+#pragma unroll
+        for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c + 2, last_chunk) * 8];
+        wgmma_wait_all();
+#pragma unroll
+        for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
+        fence_proxy_async();
+        __syncthreads();
+        buf ^= 1;
+    }
+
+    // The half of 2^126 the block scales did not carry (a power of two: exact).
+#pragma unroll
+    for (int i = 0; i < N_TOK / 2; ++i) acc[i] *= TWO_POW_63;
+
+#if HAS_LORA
+    // acc += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand (slice 0).
+    if (!SPLIT || blockIdx.z == 0) {
+        for (int rc = 0; rc < (rank + 15) / 16; ++rc) {
+            u32 af[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int h = q % 2;
+                const int col = rc * 16 + 2 * t + (q / 2) * 8;
+                const int n = n0 + h * 8 + g;
+                af[q] = (n < n_cols && col < rank) ? lora_b[((long)n * rank + col) / 2] : 0u;
+            }
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                const int m = m0 + mt * 8 + g;
+                u32 bf[2];
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int col = rc * 16 + 2 * t + q * 8;
+                    bf[q] = 0u;
+                    if (m < m_rows && col < rank) {
+                        const float* tr = lora_t + (long)m * rank + col;
+                        bf[q] = pack_bf16x2(tr[0] * lora_scale, tr[1] * lora_scale);
+                    }
+                }
+                mma_16816(acc + 4 * mt, af, bf[0], bf[1]);
+            }
+        }
+    }
+#endif
+
+    // acc[4*mt + 2h + e]: weight row n0 + 8h + g, token m0 + 8mt + 2t + e.
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int n = n0 + h * 8 + g;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int m = m0 + mt * 8 + 2 * t + e;
+                if (n < n_cols && m < m_rows) {
+                    float v = acc[4 * mt + 2 * h + e];
+#if HAS_BIAS
+                    {
+                        float b;
+                        asm("mov.b32 %0, %1;" : "=f"(b) : "r"(((u32)bias[n]) << 16));
+                        v += b;
+                    }
+#endif
+#if OUT_F32
+                    y[out0 + (long)m * y_stride + n] = v;
+#else
+                    y[out0 + (long)m * y_stride + n] = (u16)bf16_of(v);
+#endif
+                }
+            }
+        }
+    }
+}

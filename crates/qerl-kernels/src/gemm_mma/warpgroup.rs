@@ -1,0 +1,331 @@
+//! The staged product on Hopper's warpgroup MMA (`wgmma`, sm_90 only): hand-written CUDA
+//! (`warpgroup.cu`), compiled by cubecl's own NVRTC path and launched on cubecl's own stream.
+//!
+//! Why: the staged kernel (`staged.rs`) is bound by shared memory and issue (ncu, 7B gate/up at
+//! batch 64: L1/shared at 82%, 8.8 instructions a `mma`), because each warp reads its `B`
+//! fragments (the tokens' `X`) from shared memory itself, 256 bytes a `mma.m16n8k16`. `wgmma`
+//! has the tensor cores read `B` from shared memory once for a warpgroup of four warps and all
+//! the cube's tokens (one instruction a 16-deep step instead of 8 `mma` and 4 loads a warp),
+//! with the decoded weight as its register `A` operand exactly as now. cubecl 0.10 emits no
+//! `wgmma` (the shared notes `cubecl-0.10-engine-facts.md` §5).
+//!
+//! How it reaches the GPU: cubecl compiles a kernel from the text a [`CubeTask`] returns and
+//! launches it with [`KernelArguments`] on the calling thread's stream, the same stream as every
+//! other kernel of the step, so no host synchronisation is needed. [`WarpgroupTask`] compiles a
+//! one-line frame kernel for the representation cubecl's CUDA backend reads (it only asks it
+//! for the dynamic shared-memory size, 0 here: the kernel's shared memory is static), then
+//! replaces its source with `warpgroup.cu`, configured by `#define`s. The scalars go as a
+//! custom info block ([`MetadataBindingInfo::custom`], the form cubecl offers for externally
+//! compiled kernels).
+//!
+//! The kernel takes the segments kernel's arguments (`X`, then codes, scale bytes, scale table,
+//! bias, LoRA `T` and `B`, and `Y` of up to three weights); a single weight is one segment.
+
+use super::launch::Geometry;
+use cubecl::cuda::{CudaCompiler, CudaRuntime};
+use cubecl::features::Tma;
+use cubecl::prelude::*;
+use cubecl::server::{Binding, Handle, KernelArguments, MetadataBindingInfo};
+use cubecl::{CompilationError, CubeTask};
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+const SOURCE: &str = include_str!("warpgroup.cu");
+const ENTRY: &str = "qerl_wgmma_w4a16";
+
+/// Most tokens one cube multiplies (`wgmma`'s N, 8 a token tile): its accumulators are N / 2
+/// registers a thread, and the static shared memory holds two chunks of N tokens.
+pub(crate) const MAX_TOKENS: usize = 128;
+
+/// Whether this device runs the kernel: CUDA on sm_90 (`wgmma` is sm_90a only; cubecl marks
+/// TMA from sm_90 and wide im2col TMA from sm_100).
+pub(crate) fn available<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    let tma = &client.properties().features.tma;
+    crate::cublas::cuda_client(client).is_some()
+        && tma.contains(Tma::Base)
+        && !tma.contains(Tma::Im2colWide)
+}
+
+/// Whether `g` runs on this kernel here: asked for ([`super::MmaKernel::Warpgroup`]), one
+/// 16-row tile a warp, at most [`MAX_TOKENS`] tokens a cube, on sm_90.
+pub(crate) fn runs<R: Runtime>(client: &ComputeClient<R>, g: &Geometry) -> bool {
+    g.warpgroup && g.r_tiles == 1 && 8 * g.m_tiles <= MAX_TOKENS && available(client)
+}
+
+/// What the kernel text is compiled for (each value a `#define` of `warpgroup.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Config {
+    pub warps: usize,
+    pub m_tiles: usize,
+    pub block: usize,
+    pub depth: usize,
+    pub has_bias: bool,
+    pub has_lora: bool,
+    pub split: bool,
+    pub m_major: bool,
+    pub out_f32: bool,
+    pub segments: usize,
+}
+
+impl Config {
+    /// The full CUDA text: the configuration, then `warpgroup.cu` with `wgmma_step` for this
+    /// cube's tokens.
+    fn source(&self) -> String {
+        let (lbo, sbo) = descriptor_strides();
+        let min_cubes = (65_536 / (32 * self.warps * 128)).max(1);
+        let defines = [
+            ("WARPS", self.warps),
+            ("M_TILES", self.m_tiles),
+            ("BLOCK", self.block),
+            ("DEPTH", self.depth),
+            ("HAS_BIAS", self.has_bias as usize),
+            ("HAS_LORA", self.has_lora as usize),
+            ("SPLIT", self.split as usize),
+            ("M_MAJOR", self.m_major as usize),
+            ("OUT_F32", self.out_f32 as usize),
+            ("SEGMENTS", self.segments),
+            ("MIN_CUBES", min_cubes),
+            ("LBO", lbo),
+            ("SBO", sbo),
+        ];
+        let mut text: String = defines
+            .iter()
+            .map(|(k, v)| format!("#define {k} {v}\n"))
+            .collect();
+        text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
+        text
+    }
+}
+
+/// `(LBO, SBO)` of the `X` descriptor in bytes: 128 between the two cores of a 16-deep step
+/// along K, 1024 between groups of 8 tokens (`QERL_WGMMA_DESC_SWAP=1` swaps them, to test the
+/// reading of the PTX manual on a GPU).
+fn descriptor_strides() -> (usize, usize) {
+    match std::env::var("QERL_WGMMA_DESC_SWAP").as_deref() {
+        Ok("1") => (1024, 128),
+        _ => (128, 1024),
+    }
+}
+
+/// `wgmma_step(d, a0..a3, desc)`: `d[N/2] += A[64x16] · B[16xN]` for the warpgroup, `A` from
+/// registers (the four `m16n8k16` `A` registers of each warp's 16 rows), `B` K-major from
+/// shared memory, f32 accumulators in the `mma` layout of each 8-token tile.
+fn wgmma_step(n: usize) -> String {
+    let regs = n / 2;
+    let d: Vec<String> = (0..regs).map(|i| format!("%{i}")).collect();
+    let outs: Vec<String> = (0..regs).map(|i| format!("\"+f\"(d[{i}])")).collect();
+    format!(
+        "__device__ __forceinline__ void wgmma_step(float* d, u32 a0, u32 a1, u32 a2, u32 a3, \
+         u64 desc) {{\n  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{p}, 0;\\n\"\n  \
+         \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{%{a0}, %{a1}, \
+         %{a2}, %{a3}}}, %{desc}, p, 1, 1, 0;\\n}}\\n\"\n  : {outs}\n  : \"r\"(a0), \"r\"(a1), \
+         \"r\"(a2), \"r\"(a3), \"l\"(desc), \"r\"(1));\n}}\n",
+        p = regs + 5,
+        d = d.join(", "),
+        a0 = regs,
+        a1 = regs + 1,
+        a2 = regs + 2,
+        a3 = regs + 3,
+        desc = regs + 4,
+        outs = outs.join(", "),
+    )
+}
+
+/// A frame whose compiled form gives cubecl the representation it asks of every CUDA kernel
+/// (here: no dynamic shared memory); its text is never used.
+#[cube(launch_unchecked)]
+fn wgmma_frame(out: &mut Array<u32>) {
+    out[0] = 0u32;
+}
+
+/// `warpgroup.cu` for one [`Config`], as a task cubecl compiles and caches (its id hashes the
+/// full text, so an edited kernel never meets an old cache entry).
+struct WarpgroupTask {
+    source: String,
+    hash: u64,
+    cube_dim: CubeDim,
+    frame: KernelTask<CudaCompiler, wgmma_frame::WgmmaFrame<CudaRuntime>>,
+}
+
+impl KernelMetadata for WarpgroupTask {
+    fn id(&self) -> KernelId {
+        KernelId::new::<Self>()
+            .info(self.hash)
+            .cube_dim(self.cube_dim)
+    }
+
+    fn address_type(&self) -> StorageType {
+        self.frame.address_type()
+    }
+}
+
+impl CubeTask<CudaCompiler> for WarpgroupTask {
+    fn compile(
+        &self,
+        compiler: &mut CudaCompiler,
+        options: &<CudaCompiler as cubecl::Compiler>::CompilationOptions,
+        mode: ExecutionMode,
+        address_type: StorageType,
+    ) -> Result<CompiledKernel<CudaCompiler>, CompilationError> {
+        let mut kernel = self.frame.compile(compiler, options, mode, address_type)?;
+        kernel.source = self.source.clone();
+        kernel.entrypoint_name = ENTRY.to_string();
+        kernel.debug_name = Some("qerl_wgmma_w4a16");
+        kernel.cube_dim = self.cube_dim;
+        Ok(kernel)
+    }
+}
+
+/// One weight's buffers and scalars as the kernel takes them.
+pub(crate) struct SegmentArgs {
+    pub codes: Handle,
+    pub scale_bytes: Handle,
+    pub scale_table: Handle,
+    pub bias: Handle,
+    pub lora_t: Handle,
+    pub lora_b: Handle,
+    pub y: Handle,
+    pub n: usize,
+    pub lora_scale: f32,
+}
+
+/// Launches the kernel for `g` (the staged kernel's tiles, grid and split) over 1 to 3
+/// segments, into f32 partial sums when `out_f32`, else bf16 outputs; `has_bias`, `has_lora`
+/// as the staged kernel's flags. The caller checked
+/// [`available`], the buffers, and that every segment's `N` but the last is a multiple of the
+/// cube's `16 · warps` rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    k: usize,
+    block: usize,
+    g: &Geometry,
+    segs: &[SegmentArgs],
+    (has_bias, has_lora, out_f32): (bool, bool, bool),
+    rank: usize,
+) {
+    super::WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let Some(client) = crate::cublas::cuda_client(client) else {
+        unreachable!("warpgroup::launch on a runtime other than CUDA (see `available`)");
+    };
+    let config = Config {
+        warps: g.warps,
+        m_tiles: g.m_tiles,
+        block,
+        depth: g.prefetch,
+        has_bias,
+        has_lora,
+        split: g.grid.2 > 1,
+        m_major: g.m_major,
+        out_f32,
+        segments: segs.len(),
+    };
+    let source = config.source();
+    let mut h = DefaultHasher::new();
+    source.hash(&mut h);
+    let cube_dim = CubeDim::new_1d((32 * g.warps) as u32);
+    let settings = KernelSettings::default().cube_dim(cube_dim);
+    let frame = wgmma_frame::WgmmaFrame::<CudaRuntime>::new(
+        settings,
+        client.clone(),
+        ArrayCompilationArg { inplace: None },
+    );
+    let task = WarpgroupTask {
+        source,
+        hash: h.finish(),
+        cube_dim,
+        frame: KernelTask::new(frame),
+    };
+
+    let width = 16 * g.warps;
+    let seg = |i: usize| &segs[i.min(segs.len() - 1)];
+    let n_total: usize = segs.iter().map(|s| s.n).sum();
+    let (cubes0, cubes1) = match segs.len() {
+        1 => (u32::MAX, u32::MAX),
+        _ => {
+            let c0 = seg(0).n / width;
+            (c0 as u32, (c0 + seg(1).n / width) as u32)
+        }
+    };
+    let mut buffers: Vec<Binding> = vec![x.clone().binding()];
+    for i in 0..3 {
+        let s = seg(i);
+        for hd in [
+            &s.codes,
+            &s.scale_bytes,
+            &s.scale_table,
+            &s.bias,
+            &s.lora_t,
+            &s.lora_b,
+            &s.y,
+        ] {
+            buffers.push(hd.clone().binding());
+        }
+    }
+    // `Info` of warpgroup.cu: ten u32, then three f32.
+    let words32: [u32; 14] = [
+        m as u32,
+        seg(0).n as u32,
+        seg(1).n as u32,
+        seg(2).n as u32,
+        n_total as u32,
+        cubes0,
+        cubes1,
+        k as u32,
+        g.per as u32,
+        rank as u32,
+        seg(0).lora_scale.to_bits(),
+        seg(1).lora_scale.to_bits(),
+        seg(2).lora_scale.to_bits(),
+        0,
+    ];
+    let data: Vec<u64> = words32
+        .chunks(2)
+        .map(|p| p[0] as u64 | ((p[1] as u64) << 32))
+        .collect();
+    let mut args = KernelArguments::new();
+    args.buffers = buffers;
+    args.info = MetadataBindingInfo::custom(data);
+    let count = CubeCount::Static(g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32);
+    // SAFETY: the kernel bounds rows by each segment's N, tokens by M, chunks by K / 64 and
+    // LoRA columns by the rank; every buffer is the size the staged kernel takes (checked by
+    // the caller), and the info block is `Info`'s layout.
+    unsafe { client.launch_unchecked(Box::new(task), count, args) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The generated text names every operand once, in order, and every `#define` the kernel
+    /// reads (a GPU is needed to compile it; this checks what the host builds).
+    #[test]
+    fn source_defines_the_configuration_and_the_step() {
+        let c = Config {
+            warps: 8,
+            m_tiles: 8,
+            block: 16,
+            depth: 2,
+            has_bias: false,
+            has_lora: true,
+            split: true,
+            m_major: false,
+            out_f32: true,
+            segments: 2,
+        };
+        let s = c.source();
+        for d in [
+            "WARPS 8", "M_TILES 8", "BLOCK 16", "DEPTH 2", "HAS_LORA 1", "SPLIT 1", "OUT_F32 1",
+            "SEGMENTS 2", "MIN_CUBES 2", "LBO 128", "SBO 1024",
+        ] {
+            assert!(s.contains(&format!("#define {d}\n")), "{d}");
+        }
+        assert!(!s.contains("@wgmma_step@"));
+        assert!(s.is_ascii(), "NVRTC gets the text as it is");
+        assert!(s.contains("m64n64k16.f32.bf16.bf16 {%0, %1,"));
+        assert!(s.contains("%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;"));
+        assert!(s.contains("setp.ne.b32 p, %37, 0;"));
+        assert!(s.contains("\"+f\"(d[31])") && !s.contains("d[32]"));
+    }
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call for the warpgroup (`wgmma`) decode-batch product (crates/qerl-kernels/src/
+# gemm_mma/warpgroup.{rs,cu}, session 23): its CUDA tests against the host f64 reference first
+# (segments, then every decode batch, `QERL_MMA_TEST_KERNEL=warpgroup`); if they fail, again
+# with the descriptor's strides swapped (`QERL_WGMMA_DESC_SWAP=1`); then, only where a form
+# passed, the rollout benchmark with the staged kernel and the warpgroup kernel alternating in one
+# binary, then (PROFILE=1) one decode step's GPU time by kernel (ncu) under each.
+# Carry .device/qerl.tar.gz (the release `qerl`, --features cuda) and .device/kernels.xz (the
+# kernel test binary, `cargo test --release -p qerl-kernels --features cuda --test kernels
+# --no-run`, stripped, xz).
+# Env: TESTS (1), VARIANTS (device_mma_check.sh's), PROFILE (0), PROFILE_SPEC, PROFILE256 (0).
+# Everything the call prints is also in $OUT/log.txt; the rest is packed into $OUT/results.tgz.
+# There: bash tools/device_warpgroup.sh
+set -uo pipefail
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source tools/device_cache.sh
+exec > >(tee "$OUT/log.txt") 2>&1
+swap=
+if [ "${TESTS:-1}" = 1 ]; then
+  xz -dkf .device/kernels.xz && chmod +x .device/kernels
+  export QERL_MMA_TEST_KERNEL=warpgroup QERL_MMA_TEST_TILES=default
+  run_tests() {
+    local ok=1 f start
+    for f in cuda_bf16::matmul_mma_segments cuda_bf16::matmul_mma_decode_batches; do
+      start=$SECONDS
+      echo "== $f (warpgroup${QERL_WGMMA_DESC_SWAP:+, strides swapped})"
+      timeout -k 10 ${TEST_T:-200} .device/kernels --ignored --test-threads=1 --nocapture "$f" \
+        > "$OUT/test.txt" 2>&1
+      grep -E "^test |test result|panicked|warpgroup kernel|error|Error|seed" "$OUT/test.txt" | head -20
+      grep -q "test result: ok" "$OUT/test.txt" || { ok=0; grep -iE -A12 "compilation error|\[Compilation" "$OUT/test.txt" | head -60; }
+      echo "$f: $((SECONDS - start)) s"
+      [ $ok = 1 ] || break
+    done
+    [ $ok = 1 ]
+  }
+  if ! run_tests; then
+    if QERL_WGMMA_DESC_SWAP=1 run_tests; then
+      swap=QERL_WGMMA_DESC_SWAP=1,
+      echo "== passes with the strides swapped"
+    else
+      echo "== warpgroup kernel fails both ways: no timing"
+      exit 0
+    fi
+  fi
+fi
+w="${swap}QERL_MMA_KERNEL=warpgroup"
+TESTS=0 TAIL=${TAIL:-6} ROLLOUT_T=${ROLLOUT_T:-150} QERL_TAR=.device/qerl.tar.gz \
+  VARIANTS=${VARIANTS:-"staged:CHECK=1,B=16+64+256 wg:$w,CHECK=1,B=16+64+256"} \
+  bash tools/device_mma_check.sh
+if [ "${PROFILE:-0}" = 1 ]; then
+  # shellcheck disable=SC2086
+  TOP=${TOP:-16} bash tools/device_step_profile.sh ${PROFILE_SPEC:-"staged:@64" "wg:$w@64"}
+fi
+if [ "${PROFILE256:-0}" = 1 ]; then
+  # shellcheck disable=SC2086
+  SKIP=${SKIP256:-56000} COUNT=${COUNT256:-16000} NEW=64 NCU_T=${NCU_T256:-240} TOP=${TOP:-16} \
+    bash tools/device_step_profile.sh ${PROFILE256_SPEC:-"staged:@256" "wg:$w@256"}
+fi
+cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude log.txt ./* && rm -f ./*.csv ./*.jsonl ./ncu-*.txt ./test.txt
