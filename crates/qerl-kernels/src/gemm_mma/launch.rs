@@ -95,8 +95,38 @@ const STAGED_UNIT_REGISTERS: usize = 128;
 /// 65,536 registers over [`STAGED_UNIT_REGISTERS`] a unit (2 cubes of 8 warps), at most 64
 /// warps. What the split-K planner counts as a wave.
 fn resident_cubes(warps: usize) -> usize {
+    resident_cubes_at(warps, STAGED_UNIT_REGISTERS)
+}
+
+/// Cubes of `warps` warps at `registers` a unit that one multiprocessor holds (at most 64
+/// warps, at least one cube).
+pub(super) fn resident_cubes_at(warps: usize, registers: usize) -> usize {
     let warps = warps.max(1);
-    (65_536 / (STAGED_UNIT_REGISTERS * 32 * warps)).clamp(1, 64 / warps.min(64))
+    (65_536 / (registers * 32 * warps)).clamp(1, 64 / warps.min(64))
+}
+
+/// Registers a unit of the warpgroup kernel may hold at `m_tiles` token tiles: the staged
+/// kernel's 128 up to 64 tokens (32 accumulators), 168 above (64 at 128 tokens); the kernel is
+/// compiled with the matching `__launch_bounds__`.
+pub(super) fn warpgroup_unit_registers(m_tiles: usize) -> usize {
+    if m_tiles <= 8 {
+        STAGED_UNIT_REGISTERS
+    } else {
+        168
+    }
+}
+
+/// Most token tiles a warpgroup-kernel cube takes (`QERL_WGMMA_TOKENS`: 64 by default, up to
+/// 128, read once): above 64 rows each weight is decoded once per this many tokens.
+fn warpgroup_max_tiles() -> usize {
+    static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TILES.get_or_init(|| {
+        std::env::var("QERL_WGMMA_TOKENS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|t| t % 8 == 0 && (8..=128).contains(t))
+            .map_or(8, |t| t / 8)
+    })
 }
 
 /// Chunks of codes in flight in the staged kernel by default. Since its K loop issues no
@@ -293,7 +323,7 @@ fn pick_tiles(m: usize, o: &MmaOptions, staged: bool) -> (usize, usize) {
     }
     if staged && o.kernel == MmaKernel::Warpgroup {
         // One 16-row tile a warp (a warpgroup: 64 rows), all the cube's tokens in one `wgmma`.
-        return (1, m.div_ceil(8).clamp(1, 8));
+        return (1, m.div_ceil(8).clamp(1, warpgroup_max_tiles()));
     }
     if staged {
         // One decoded A fragment feeds every token tile of the cube's copy: up to 64 tokens.
@@ -389,7 +419,10 @@ impl Geometry {
         };
         let cubes_n = row_groups.div_ceil(warps);
         let (splits, per) = if staged && o.warps_per_sm == 0 {
-            let slots = sms * resident_cubes(warps);
+            let slots = match o.kernel == MmaKernel::Warpgroup && r_tiles == 1 {
+                true => sms * resident_cubes_at(warps, warpgroup_unit_registers(m_tiles)),
+                false => sms * resident_cubes(warps),
+            };
             splitk::plan_waves(cubes_n * m_groups, k / CHUNK, slots, MIN_SPLIT_CHUNKS)
         } else {
             let target = split_target(m, o) * sms;

@@ -16,7 +16,7 @@
 //! for the dynamic shared-memory size, 0 here: the kernel's shared memory is static), then
 //! replaces its source with `warpgroup.cu`, configured by `#define`s. The scalars go as a
 //! custom info block ([`MetadataBindingInfo::custom`], the form cubecl offers for externally
-//! compiled kernels).
+//! compiled kernels) with no dynamic part, so cubecl passes it by value as the last argument.
 //!
 //! The kernel takes the segments kernel's arguments (`X`, then codes, scale bytes, scale table,
 //! bias, LoRA `T` and `B`, and `Y` of up to three weights); a single weight is one segment.
@@ -71,7 +71,8 @@ impl Config {
     /// cube's tokens.
     fn source(&self) -> String {
         let (lbo, sbo) = descriptor_strides();
-        let min_cubes = (65_536 / (32 * self.warps * 128)).max(1);
+        let registers = super::launch::warpgroup_unit_registers(self.m_tiles);
+        let min_cubes = super::launch::resident_cubes_at(self.warps, registers);
         let defines = [
             ("WARPS", self.warps),
             ("M_TILES", self.m_tiles),
@@ -286,7 +287,11 @@ pub(crate) fn launch<R: Runtime>(
         .collect();
     let mut args = KernelArguments::new();
     args.buffers = buffers;
+    // All of it is the scalar block, passed by value: a dynamic part (`custom` makes all of it
+    // dynamic) would be uploaded and its pointer inserted before the block as one more argument.
+    let words = data.len();
     args.info = MetadataBindingInfo::custom(data);
+    args.info.dynamic_metadata_offset = words;
     let count = CubeCount::Static(g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32);
     // SAFETY: the kernel bounds rows by each segment's N, tokens by M, chunks by K / 64 and
     // LoRA columns by the rank; every buffer is the size the staged kernel takes (checked by
