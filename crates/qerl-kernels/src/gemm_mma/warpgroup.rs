@@ -214,7 +214,8 @@ pub(crate) fn launch<R: Runtime>(
         warps: g.warps,
         m_tiles: g.m_tiles,
         block,
-        depth: g.prefetch,
+        // The kernel's ring of codes is unrolled by its depth, which must be even.
+        depth: if g.prefetch <= 2 { 2 } else { 4 },
         has_bias,
         has_lora,
         split: g.grid.2 > 1,
