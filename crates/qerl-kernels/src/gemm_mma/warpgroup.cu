@@ -14,7 +14,7 @@
 //
 // The host prepends the configuration:
 //   WARPS (4 or 8), M_TILES (1..16: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
-//   DEPTH (chunks of codes in flight, 2 or 4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
+//   DEPTH (chunks of codes in flight, 1..4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
 //   SEGMENTS (1..3), MIN_CUBES (cubes a multiprocessor must hold: caps the registers), LBO,
 //   SBO (descriptor strides), and `wgmma_step` for this N in place of the marker below.
 //
@@ -194,29 +194,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         x_off[u] = tok * (k_dim / 8) + 2 * tt + w;
         st_off[u] = ((nb * 4 + 2 * w) * 2) * 32 + nlo * 4 + tt;
     }
-    // `X` of the chunks ahead in registers, two slots by the chunk's parity (relative to c0):
-    // at chunk c the slot of c + 1 is stored into shared memory, then refilled with c + 3.
-    u32x4 xr[2][per];
-#define LOAD_X(slot, chunk)                                                               \
-    _Pragma("unroll") for (int u = 0; u < per; ++u)                                      \
-        xr[slot][u] = x[x_off[u] + imin(chunk, last_chunk) * 8];
-    // Stores slot `slot` into buffer `b`: word q of a group (values q%4 and q%4 + 4 of its 8,
-    // see the layout above) goes to core `base + q`.
-#define STORE_X(b, slot)                                                                  \
-    _Pragma("unroll") for (int u = 0; u < per; ++u) {                                    \
-        if (st_ok[u]) {                                                                   \
-            const u32x4 v = xr[slot][u];                                                  \
-            u32* dst = xs + (b) * BUF_WORDS + st_off[u];                                  \
-            dst[0] = (v.x & 0xffffu) | (v.z << 16);                                       \
-            dst[32] = (v.x >> 16) | (v.z & 0xffff0000u);                                  \
-            dst[64] = (v.y & 0xffffu) | (v.w << 16);                                      \
-            dst[96] = (v.y >> 16) | (v.w & 0xffff0000u);                                  \
-        }                                                                                 \
+    u32x4 xr[per];
+#pragma unroll
+    for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c0, last_chunk) * 8];
+    // Stores the chunk in `xr` into buffer `b`: word q of a group (values q%4 and q%4 + 4 of its
+    // 8, see the layout above) goes to core `base + q`.
+#define STORE_X(b)                                                                       \
+    _Pragma("unroll") for (int u = 0; u < per; ++u) {                                   \
+        if (st_ok[u]) {                                                                  \
+            const u32x4 v = xr[u];                                                       \
+            u32* dst = xs + (b) * BUF_WORDS + st_off[u];                                 \
+            dst[0] = (v.x & 0xffffu) | (v.z << 16);                                      \
+            dst[32] = (v.x >> 16) | (v.z & 0xffff0000u);                                 \
+            dst[64] = (v.y & 0xffffu) | (v.w << 16);                                     \
+            dst[96] = (v.y >> 16) | (v.w & 0xffff0000u);                                 \
+        }                                                                                \
     }
-    LOAD_X(0, c0);
-    STORE_X(0, 0);
-    LOAD_X(1, c0 + 1);
-    LOAD_X(0, c0 + 2);
+    STORE_X(0);
+#pragma unroll
+    for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c0 + 1, last_chunk) * 8];
 
     // Rows g and g + 8 of this warp's 16 (a row past N reads row N - 1; never stored).
     long row_pair0[2], row_elem0[2];
@@ -226,20 +222,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         row_pair0[h] = (long)n * (k_dim / 16) + t;
         row_elem0[h] = (long)n * k_dim + 16 * t;
     }
-    // Codes and scale words in a ring of DEPTH chunks: slot d holds the chunk c with
-    // (c - c0) % DEPTH == d, refilled with c + DEPTH as soon as c is read. The K loop is
-    // unrolled by DEPTH so that every slot is a fixed register (a ring shifted by moves would
-    // wait on each load a chunk after issuing it).
-    u32x2 wq[DEPTH][2];
-    u32 sq[DEPTH][2];
-#define LOAD_CODES(slot, chunk)                                                           \
-    _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                      \
-        const int cl = imin(chunk, last_chunk);                                           \
-        wq[slot][h] = codes[row_pair0[h] + cl * 4];                                       \
-        sq[slot][h] = scale_bytes[(row_elem0[h] + cl * CHUNK) / BLOCK / 4];               \
-    }
+    u32x2 wq[DEPTH + 1][2];
+    u32 sq[DEPTH + 1][2];
 #pragma unroll
-    for (int d = 0; d < DEPTH; ++d) LOAD_CODES(d, c0 + d);
+    for (int d = 0; d < DEPTH; ++d) {
+        const int c = imin(c0 + d, last_chunk);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            wq[d][h] = codes[row_pair0[h] + c * 4];
+            sq[d][h] = scale_bytes[(row_elem0[h] + c * CHUNK) / BLOCK / 4];
+        }
+    }
 
     float acc[N_TOK / 2];
 #pragma unroll
@@ -249,61 +242,74 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     __syncthreads();
 
     const u32 xs_base = smem_addr(xs);
-    for (int c = c0; c < c1; c += DEPTH) {
+    int buf = 0;
+    for (int c = c0; c < c1; ++c) {
+        // Chunk c's codes, then the next load into the ring's end.
+        u32x2 w0 = wq[0][0], w1 = wq[0][1];
+        u32 s0 = sq[0][0], s1 = sq[0][1];
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
-            const int cc = c + d;
-            // DEPTH is even, so chunk cc's parity (its shared buffer) is d's.
-            const int p = d & 1;
-            if (cc < c1) {
-                const u32x2 w0 = wq[d][0], w1 = wq[d][1];
-                const u32 s0 = sq[d][0], s1 = sq[d][1];
-                LOAD_CODES(d, cc + DEPTH);
-                // One block scale a row for the lane's 16 codes, with 2^63 of the placement's
-                // 2^126.
-                u32 sc[2];
-                {
-                    const long b0 = (row_elem0[0] + (long)cc * CHUNK) / BLOCK;
-                    const long b1 = (row_elem0[1] + (long)cc * CHUNK) / BLOCK;
-                    const u32 byte0 = (s0 >> ((b0 % 4) * 8)) & 0xffu;
-                    const u32 byte1 = (s1 >> ((b1 % 4) * 8)) & 0xffu;
-                    const u32 h0 = bf16_of(stab[byte0] * TWO_POW_63);
-                    const u32 h1 = bf16_of(stab[byte1] * TWO_POW_63);
-                    sc[0] = h0 | (h0 << 16);
-                    sc[1] = h1 | (h1 << 16);
-                }
-                // Step s: code pairs (i0, i0 + 4) and (i0 + 1, i0 + 5) of word s / 2.
-                u32 a[4][4];
+            wq[d][0] = wq[d + 1][0];
+            wq[d][1] = wq[d + 1][1];
+            sq[d][0] = sq[d + 1][0];
+            sq[d][1] = sq[d + 1][1];
+        }
+        {
+            const int cn = imin(c + DEPTH, last_chunk);
 #pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    const int i0 = 2 * (s % 2);
-                    const u32 wg = (s / 2) ? w0.y : w0.x;
-                    const u32 wg8 = (s / 2) ? w1.y : w1.x;
-                    a[s][0] = mul_bf16x2(spread_bits(wg, i0), sc[0]);
-                    a[s][1] = mul_bf16x2(spread_bits(wg8, i0), sc[1]);
-                    a[s][2] = mul_bf16x2(spread_bits(wg, i0 + 1), sc[0]);
-                    a[s][3] = mul_bf16x2(spread_bits(wg8, i0 + 1), sc[1]);
-                }
-#pragma unroll
-                for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
-                wgmma_fence();
-#pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    const u64 desc = smem_desc(xs_base + (p * BUF_WORDS + s * 2 * 32) * 4);
-                    wgmma_step(acc, a[s][0], a[s][1], a[s][2], a[s][3], desc);
-                }
-                wgmma_commit();
-                // Chunk cc + 1 into the other buffer (its readers, chunk cc - 1's steps, have
-                // finished), then chunk cc + 3's loads, while the tensor cores work.
-                STORE_X(1 - p, 1 - p);
-                LOAD_X(1 - p, cc + 3);
-                wgmma_wait_all();
-#pragma unroll
-                for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
-                fence_proxy_async();
-                __syncthreads();
+            for (int h = 0; h < 2; ++h) {
+                wq[DEPTH - 1][h] = codes[row_pair0[h] + cn * 4];
+                sq[DEPTH - 1][h] = scale_bytes[(row_elem0[h] + cn * CHUNK) / BLOCK / 4];
             }
         }
+        // One block scale a row for the lane's 16 codes, with 2^63 of the placement's 2^126.
+        u32 sc[2];
+        {
+            const long b0 = (row_elem0[0] + (long)c * CHUNK) / BLOCK;
+            const long b1 = (row_elem0[1] + (long)c * CHUNK) / BLOCK;
+            const u32 byte0 = (s0 >> ((b0 % 4) * 8)) & 0xffu;
+            const u32 byte1 = (s1 >> ((b1 % 4) * 8)) & 0xffu;
+            const u32 h0 = bf16_of(stab[byte0] * TWO_POW_63);
+            const u32 h1 = bf16_of(stab[byte1] * TWO_POW_63);
+            sc[0] = h0 | (h0 << 16);
+            sc[1] = h1 | (h1 << 16);
+        }
+        // Step s: code pairs (i0, i0 + 4) and (i0 + 1, i0 + 5) of word s / 2.
+        u32 a[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int i0 = 2 * (s % 2);
+            const u32 wg = (s / 2) ? w0.y : w0.x;
+            const u32 wg8 = (s / 2) ? w1.y : w1.x;
+            a[s][0] = mul_bf16x2(spread_bits(wg, i0), sc[0]);
+            a[s][1] = mul_bf16x2(spread_bits(wg8, i0), sc[1]);
+            a[s][2] = mul_bf16x2(spread_bits(wg, i0 + 1), sc[0]);
+            a[s][3] = mul_bf16x2(spread_bits(wg8, i0 + 1), sc[1]);
+        }
+#pragma unroll
+        for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const u64 desc = smem_desc(xs_base + (buf * BUF_WORDS + s * 2 * 32) * 4);
+            wgmma_step(acc, a[s][0], a[s][1], a[s][2], a[s][3], desc);
+        }
+        wgmma_commit();
+        // Chunk c + 1 into the other buffer (its readers, chunk c - 1's steps, have finished),
+        // then chunk c + 2's loads, while the tensor cores work.
+        if (buf) {
+            STORE_X(0);
+        } else {
+            STORE_X(1);
+        }
+#pragma unroll
+        for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c + 2, last_chunk) * 8];
+        wgmma_wait_all();
+#pragma unroll
+        for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
+        fence_proxy_async();
+        __syncthreads();
+        buf ^= 1;
     }
 
     // The half of 2^126 the block scales did not carry (a power of two: exact).

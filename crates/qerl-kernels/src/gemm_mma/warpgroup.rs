@@ -214,8 +214,7 @@ pub(crate) fn launch<R: Runtime>(
         warps: g.warps,
         m_tiles: g.m_tiles,
         block,
-        // The kernel's ring of codes is unrolled by its depth, which must be even.
-        depth: if g.prefetch <= 2 { 2 } else { 4 },
+        depth: g.prefetch,
         has_bias,
         has_lora,
         split: g.grid.2 > 1,
