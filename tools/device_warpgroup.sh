@@ -8,7 +8,8 @@
 # Carry .device/qerl.tar.gz (the release `qerl`, --features cuda) and .device/kernels.xz (the
 # kernel test binary, `cargo test --release -p qerl-kernels --features cuda --test kernels
 # --no-run`, stripped, xz).
-# Env: TESTS (1), VARIANTS (device_mma_check.sh's), PROFILE (0), PROFILE_SPEC, PROFILE256 (0).
+# Env: TESTS (1), VARIANTS (device_mma_check.sh's), PROFILE (0), PROFILE_SPEC, PROFILE256 (0),
+#   SECTIONS (0: ncu's stall sections of the warpgroup launches).
 # Everything the call prints is also in $OUT/log.txt; the rest is packed into $OUT/results.tgz.
 # There: bash tools/device_warpgroup.sh
 set -uo pipefail
@@ -56,5 +57,20 @@ if [ "${PROFILE256:-0}" = 1 ]; then
   # shellcheck disable=SC2086
   SKIP=${SKIP256:-56000} COUNT=${COUNT256:-16000} NEW=64 NCU_T=${NCU_T256:-240} TOP=${TOP:-16} \
     bash tools/device_step_profile.sh ${PROFILE256_SPEC:-"staged:@256" "wg:$w@256"}
+fi
+# SECTIONS=1: ncu's stall and occupancy sections of four consecutive warpgroup launches (one
+# layer's q/k/v, o, gate/up and down) of the batch-64 decode steps.
+if [ "${SECTIONS:-0}" = 1 ]; then
+  start=$SECONDS
+  [ -x /tmp/qerl ] || tar -xzf .device/qerl.tar.gz -C /tmp
+  timeout -k 10 ${NCU_T:-150} ncu --clock-control none --kernel-name qerl_wgmma_w4a16 \
+    --launch-skip ${SECTIONS_SKIP:-300} --launch-count 4 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    /tmp/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 --batch 64 --prompt 256 \
+    --new-tokens 16 --no-check > "$OUT/ncu-sections.txt" 2>&1
+  echo "== warpgroup launches, ncu sections: $((SECONDS - start)) s"
+  grep -E "^  qerl_wgmma|Grid Size|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Waves Per SM|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Memory Throughput|DRAM Throughput|L1/TEX Hit|Shared Memory|Compute \(SM\)|Local Memory|Stall|stall|OPT" \
+    "$OUT/ncu-sections.txt" | sed 's/  */ /g' | head -${SECTIONS_LINES:-90}
 fi
 cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude log.txt ./* && rm -f ./*.csv ./*.jsonl ./ncu-*.txt ./test.txt

@@ -29,7 +29,7 @@ pub use crate::gemm_mma::{
     MmaKernel, MmaOptions,
     DEFAULT_MAX_M as MMA_DEFAULT_MAX_M, DEFAULT_PREFETCH as MMA_DEFAULT_PREFETCH,
     DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM, DEFAULT_X_AHEAD as MMA_DEFAULT_X_AHEAD,
-    MAX_M_LIMIT as MMA_MAX_M_LIMIT,
+    MAX_M_LIMIT as MMA_MAX_M_LIMIT, WARPGROUP_MIN_M as MMA_WARPGROUP_MIN_M,
 };
 pub use crate::gemv::{
     set_decode_max_m, set_k_planes as set_decode_k_planes, DEFAULT_DECODE_MAX_M,

@@ -94,39 +94,9 @@ const STAGED_UNIT_REGISTERS: usize = 128;
 /// Cubes of `warps` warps of the staged kernel that one multiprocessor holds at once: its
 /// 65,536 registers over [`STAGED_UNIT_REGISTERS`] a unit (2 cubes of 8 warps), at most 64
 /// warps. What the split-K planner counts as a wave.
-fn resident_cubes(warps: usize) -> usize {
-    resident_cubes_at(warps, STAGED_UNIT_REGISTERS)
-}
-
-/// Cubes of `warps` warps at `registers` a unit that one multiprocessor holds (at most 64
-/// warps, at least one cube).
-pub(super) fn resident_cubes_at(warps: usize, registers: usize) -> usize {
+pub(super) fn resident_cubes(warps: usize) -> usize {
     let warps = warps.max(1);
-    (65_536 / (registers * 32 * warps)).clamp(1, 64 / warps.min(64))
-}
-
-/// Registers a unit of the warpgroup kernel may hold at `m_tiles` token tiles: the staged
-/// kernel's 128 up to 64 tokens (32 accumulators), 168 above (64 at 128 tokens); the kernel is
-/// compiled with the matching `__launch_bounds__`.
-pub(super) fn warpgroup_unit_registers(m_tiles: usize) -> usize {
-    if m_tiles <= 8 {
-        STAGED_UNIT_REGISTERS
-    } else {
-        168
-    }
-}
-
-/// Most token tiles a warpgroup-kernel cube takes (`QERL_WGMMA_TOKENS`: 64 by default, up to
-/// 128, read once): above 64 rows each weight is decoded once per this many tokens.
-fn warpgroup_max_tiles() -> usize {
-    static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TILES.get_or_init(|| {
-        std::env::var("QERL_WGMMA_TOKENS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|t| t % 8 == 0 && (8..=128).contains(t))
-            .map_or(8, |t| t / 8)
-    })
+    (65_536 / (STAGED_UNIT_REGISTERS * 32 * warps)).clamp(1, 64 / warps.min(64))
 }
 
 /// Chunks of codes in flight in the staged kernel by default. Since its K loop issues no
@@ -240,7 +210,8 @@ pub enum MmaKernel {
     /// cores from shared memory (`gemm_mma/warpgroup.cu`; CUDA sm_90 only, the staged kernel
     /// elsewhere).
     Warpgroup,
-    /// The default: staged wherever it applies.
+    /// The default: staged wherever it applies, on warpgroup MMA above
+    /// [`WARPGROUP_MIN_M`] rows where the device has it (sm_90).
     Auto,
 }
 
@@ -252,6 +223,14 @@ impl MmaKernel {
 fn valid_tiles(r: usize, m: usize) -> bool {
     [1, 2, 4].contains(&r) && [1, 2, 4, 8].contains(&m)
 }
+
+/// Fewer rows than this keep the staged kernel under [`MmaKernel::Auto`] on sm_90: there it
+/// runs 2x2 or 2x4 tiles, which the warpgroup kernel does not. On an H200 (2026-11-28, 7B
+/// decode, ncu GPU time a step) the warpgroup kernel took batch 64 in 7.31 ms against 7.43
+/// (down 40.2 against 47.8 µs, o 13.5 against 15.6, gate/up 98.8 against 93.7) and batch 256
+/// in 18.27 against 20.40 (every product faster: gate/up 281.7 against 306.7, down 134.3
+/// against 172.0); at batch 16 (1x2 tiles) 5.43 ms a step against 5.36 wall.
+pub const WARPGROUP_MIN_M: usize = 33;
 
 static OPTIONS: Mutex<Option<MmaOptions>> = Mutex::new(None);
 
@@ -317,13 +296,13 @@ pub(crate) fn applies<R: Runtime, F: Float>(
 /// H100 with the decoding [`MmaDecode::Auto`] picks (docs/benchmarks/rollout.md, session 10):
 /// 2x2 at 16 rows 8.27 ms a step (4x2 8.48), 2x4 at 32 rows 9.86 (4x4 10.45), 2x4 at 64
 /// rows 14.97 (2x8 16.45, 4x4 15.64).
-fn pick_tiles(m: usize, o: &MmaOptions, staged: bool) -> (usize, usize) {
+fn pick_tiles(m: usize, o: &MmaOptions, staged: bool, warpgroup: bool) -> (usize, usize) {
     if let Some(t) = o.tiles {
         return t;
     }
-    if staged && o.kernel == MmaKernel::Warpgroup {
+    if warpgroup {
         // One 16-row tile a warp (a warpgroup: 64 rows), all the cube's tokens in one `wgmma`.
-        return (1, m.div_ceil(8).clamp(1, warpgroup_max_tiles()));
+        return (1, m.div_ceil(8).clamp(1, 8));
     }
     if staged {
         // One decoded A fragment feeds every token tile of the cube's copy: up to 64 tokens.
@@ -358,7 +337,8 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     let (n, k) = (weight.n, weight.k);
     let bf16 = F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked();
     let sms = splitk::multiprocessors(client);
-    let geometry = Geometry::plan(m, n, k, &options(), sms, bf16);
+    let hopper = super::warpgroup_available(client);
+    let geometry = Geometry::plan_on(m, n, k, &options(), sms, bf16, hopper);
     let splits = geometry.grid.2;
     if splits == 1 {
         geometry.run::<R, F, F>(client, x, weight, bias, lora, y);
@@ -382,16 +362,17 @@ pub(super) struct Geometry {
     pub(super) decode: u32,
     /// `X` through shared memory ([`MmaKernel::Staged`]).
     pub(super) staged: bool,
-    /// The staged product on warpgroup MMA where the device has it ([`MmaKernel::Warpgroup`]).
+    /// The staged product on warpgroup MMA where the device has it ([`MmaKernel::Warpgroup`];
+    /// read by the CUDA build only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) warpgroup: bool,
     pub(super) prefetch: usize,
     pub(super) x_ahead: usize,
 }
 
 impl Geometry {
-    /// Tiles, grid (with split-K) and decoding for `m` rows of an `n x k` weight on a device of
-    /// `sms` multiprocessors; `bf16`: the activations are bf16 (the bit placement is exact
-    /// for bf16 only).
+    /// [`Geometry::plan_on`] a device without warpgroup MMA.
+    #[cfg(test)]
     pub(super) fn plan(
         m: usize,
         n: usize,
@@ -399,6 +380,21 @@ impl Geometry {
         o: &MmaOptions,
         sms: usize,
         bf16: bool,
+    ) -> Geometry {
+        Self::plan_on(m, n, k, o, sms, bf16, false)
+    }
+
+    /// Tiles, grid (with split-K) and decoding for `m` rows of an `n x k` weight on a device of
+    /// `sms` multiprocessors; `bf16`: the activations are bf16 (the bit placement is exact
+    /// for bf16 only); `hopper`: the device runs the warpgroup kernel (sm_90).
+    pub(super) fn plan_on(
+        m: usize,
+        n: usize,
+        k: usize,
+        o: &MmaOptions,
+        sms: usize,
+        bf16: bool,
+        hopper: bool,
     ) -> Geometry {
         let decode = match o.decode.resolve(m) {
             MmaDecode::Table => super::DECODE_TABLE,
@@ -409,7 +405,13 @@ impl Geometry {
             MmaDecode::Pairs | MmaDecode::Auto => super::DECODE_PAIRS,
         };
         let staged = decode == super::DECODE_SPREAD && o.kernel != MmaKernel::Direct;
-        let (r_tiles, m_tiles) = pick_tiles(m, o, staged);
+        let warpgroup = staged
+            && match o.kernel {
+                MmaKernel::Warpgroup => true,
+                MmaKernel::Auto => hopper && m >= WARPGROUP_MIN_M,
+                _ => false,
+            };
+        let (r_tiles, m_tiles) = pick_tiles(m, o, staged, warpgroup);
         let row_groups = n.div_ceil(16 * r_tiles);
         let m_groups = m.div_ceil(8 * m_tiles);
         let warps = match o.warps_per_cube {
@@ -419,10 +421,7 @@ impl Geometry {
         };
         let cubes_n = row_groups.div_ceil(warps);
         let (splits, per) = if staged && o.warps_per_sm == 0 {
-            let slots = match o.kernel == MmaKernel::Warpgroup && r_tiles == 1 {
-                true => sms * resident_cubes_at(warps, warpgroup_unit_registers(m_tiles)),
-                false => sms * resident_cubes(warps),
-            };
+            let slots = sms * resident_cubes(warps);
             splitk::plan_waves(cubes_n * m_groups, k / CHUNK, slots, MIN_SPLIT_CHUNKS)
         } else {
             let target = split_target(m, o) * sms;
@@ -444,7 +443,7 @@ impl Geometry {
             per,
             decode,
             staged,
-            warpgroup: staged && o.kernel == MmaKernel::Warpgroup && r_tiles == 1,
+            warpgroup: warpgroup && r_tiles == 1,
             prefetch: o.prefetch,
             x_ahead: o.x_ahead,
         }
@@ -632,6 +631,31 @@ mod tests {
         };
         let down = Geometry::plan(64, 3584, 18944, &target, 132, true);
         assert_eq!((down.grid, down.per), ((28, 1, 15), 20));
+    }
+
+    /// On sm_90 the default runs the warpgroup kernel from [`WARPGROUP_MIN_M`] rows, with the
+    /// staged kernel's 1x8 tiles and split; below, and where asked for the staged kernel, not.
+    #[test]
+    fn warpgroup_by_default_on_hopper_from_33_rows() {
+        let o = defaults();
+        let g = Geometry::plan_on(64, 37888, 3584, &o, 132, true, true);
+        assert!(g.staged && g.warpgroup);
+        let s = Geometry::plan(64, 37888, 3584, &o, 132, true);
+        assert!(!s.warpgroup);
+        assert_eq!((g.r_tiles, g.m_tiles, g.grid, g.per), (s.r_tiles, s.m_tiles, s.grid, s.per));
+        assert!(!Geometry::plan_on(16, 37888, 3584, &o, 132, true, true).warpgroup);
+        assert!(Geometry::plan_on(256, 3584, 18944, &o, 132, true, true).warpgroup);
+        let staged = MmaOptions {
+            kernel: MmaKernel::Staged,
+            ..o
+        };
+        assert!(!Geometry::plan_on(64, 37888, 3584, &staged, 132, true, true).warpgroup);
+        let asked = MmaOptions {
+            kernel: MmaKernel::Warpgroup,
+            ..o
+        };
+        let g = Geometry::plan_on(16, 37888, 3584, &asked, 132, true, true);
+        assert!(g.warpgroup && (g.r_tiles, g.m_tiles) == (1, 2));
     }
 
     /// Every row of the grid's token groups is covered once: groups x 8 x m_tiles >= M.

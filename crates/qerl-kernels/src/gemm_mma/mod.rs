@@ -52,7 +52,7 @@ mod warpgroup;
 pub(crate) use launch::{applies, launch};
 pub use launch::{
     launches, options, set_options, MmaDecode, MmaKernel, MmaOptions, DEFAULT_MAX_M,
-    DEFAULT_PREFETCH, DEFAULT_WARPS_PER_SM, DEFAULT_X_AHEAD, MAX_M_LIMIT,
+    DEFAULT_PREFETCH, DEFAULT_WARPS_PER_SM, DEFAULT_X_AHEAD, MAX_M_LIMIT, WARPGROUP_MIN_M,
 };
 pub use segments::{
     enabled as segments_enabled, launches as segment_launches, set_enabled as set_segments,
@@ -64,6 +64,20 @@ use cubecl::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 static WARPGROUP_LAUNCHES: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether this device runs the warpgroup kernel (CUDA sm_90; never without the `cuda`
+/// feature).
+fn warpgroup_available<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        warpgroup::available(client)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = client;
+        false
+    }
+}
 
 /// Products the warpgroup kernel ([`MmaKernel::Warpgroup`]) has run in this process (tests
 /// check that it ran rather than the staged kernel it falls back to).
