@@ -215,12 +215,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c0 + 1, last_chunk) * 8];
 
     // Rows g and g + 8 of this warp's 16 (a row past N reads row N - 1; never stored).
-    long row_pair0[2], row_elem0[2];
+    // 32-bit offsets (a weight of up to 2^32 codes): the row's 8-byte code pair and block at
+    // chunk 0; chunk c adds 4 pairs and CHUNK / BLOCK blocks.
+    u32 row_pair0[2], row_block0[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int n = imin(n0 + h * 8 + g, n_cols - 1);
-        row_pair0[h] = (long)n * (k_dim / 16) + t;
-        row_elem0[h] = (long)n * k_dim + 16 * t;
+        const u32 n = (u32)imin(n0 + h * 8 + g, n_cols - 1);
+        row_pair0[h] = n * (u32)(k_dim / 16) + t;
+        row_block0[h] = (n * (u32)k_dim + 16 * t) / BLOCK;
     }
     u32x2 wq[DEPTH + 1][2];
     u32 sq[DEPTH + 1][2];
@@ -230,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             wq[d][h] = codes[row_pair0[h] + c * 4];
-            sq[d][h] = scale_bytes[(row_elem0[h] + c * CHUNK) / BLOCK / 4];
+            sq[d][h] = scale_bytes[(row_block0[h] + c * (CHUNK / BLOCK)) >> 2];
         }
     }
 
@@ -259,16 +261,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 wq[DEPTH - 1][h] = codes[row_pair0[h] + cn * 4];
-                sq[DEPTH - 1][h] = scale_bytes[(row_elem0[h] + cn * CHUNK) / BLOCK / 4];
+                sq[DEPTH - 1][h] = scale_bytes[(row_block0[h] + cn * (CHUNK / BLOCK)) >> 2];
             }
         }
         // One block scale a row for the lane's 16 codes, with 2^63 of the placement's 2^126.
         u32 sc[2];
         {
-            const long b0 = (row_elem0[0] + (long)c * CHUNK) / BLOCK;
-            const long b1 = (row_elem0[1] + (long)c * CHUNK) / BLOCK;
-            const u32 byte0 = (s0 >> ((b0 % 4) * 8)) & 0xffu;
-            const u32 byte1 = (s1 >> ((b1 % 4) * 8)) & 0xffu;
+            const u32 b0 = row_block0[0] + c * (CHUNK / BLOCK);
+            const u32 b1 = row_block0[1] + c * (CHUNK / BLOCK);
+            const u32 byte0 = (s0 >> ((b0 & 3) * 8)) & 0xffu;
+            const u32 byte1 = (s1 >> ((b1 & 3) * 8)) & 0xffu;
             const u32 h0 = bf16_of(stab[byte0] * TWO_POW_63);
             const u32 h1 = bf16_of(stab[byte1] * TWO_POW_63);
             sc[0] = h0 | (h0 << 16);

@@ -73,8 +73,8 @@ impl Config {
     fn source(&self) -> String {
         let (lbo, sbo) = descriptor_strides();
         // The staged kernel's registers a unit (128: two 8-warp cubes a multiprocessor), which
-        // the split-K planner counts on.
-        let min_cubes = super::launch::resident_cubes(self.warps);
+        // the split-K planner counts on; `QERL_WGMMA_MIN_CUBES` (1 to 4) asks for more.
+        let min_cubes = min_cubes().unwrap_or_else(|| super::launch::resident_cubes(self.warps));
         let defines = [
             ("WARPS", self.warps),
             ("M_TILES", self.m_tiles),
@@ -97,6 +97,18 @@ impl Config {
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
     }
+}
+
+/// `QERL_WGMMA_MIN_CUBES`: cubes a multiprocessor must hold (the kernel's registers capped to
+/// match), read once; an experiment's knob.
+fn min_cubes() -> Option<usize> {
+    static CUBES: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *CUBES.get_or_init(|| {
+        std::env::var("QERL_WGMMA_MIN_CUBES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|c| (1..=4).contains(c))
+    })
 }
 
 /// `(LBO, SBO)` of the `X` descriptor in bytes: 128 between the two cores of a 16-deep step
