@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the warpgroup (`wgmma`) decode-batch product (crates/qerl-kernels/src/
 # gemm_mma/warpgroup.{rs,cu}, session 23): its CUDA tests against the host f64 reference first
-# (segments, then every decode batch, `QERL_MMA_TEST_KERNEL=warpgroup`); if they fail, again
-# with the descriptor's strides swapped (`QERL_WGMMA_DESC_SWAP=1`); then, only where a form
+# (segments, then every decode batch, `QERL_MMA_TEST_KERNEL=warpgroup`); then, only if they
 # passed, the rollout benchmark with the staged kernel and the warpgroup kernel alternating in one
-# binary, then (PROFILE=1) one decode step's GPU time by kernel (ncu) under each.
+# binary (VARIANTS), then (PROFILE=1) one decode step's GPU time by kernel (ncu) under each.
 # Carry .device/qerl.tar.gz (the release `qerl`, --features cuda) and .device/kernels.xz (the
 # kernel test binary, `cargo test --release -p qerl-kernels --features cuda --test kernels
 # --no-run`, stripped, xz).
@@ -17,46 +16,37 @@ export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source tools/device_cache.sh
 exec > >(tee "$OUT/log.txt") 2>&1
-swap=
 if [ "${TESTS:-1}" = 1 ]; then
   xz -dkf .device/kernels.xz && chmod +x .device/kernels
   export QERL_MMA_TEST_KERNEL=warpgroup QERL_MMA_TEST_TILES=default
-  run_tests() {
-    local ok=1 f start
-    for f in cuda_bf16::matmul_mma_segments cuda_bf16::matmul_mma_decode_batches; do
-      start=$SECONDS
-      echo "== $f (warpgroup${QERL_WGMMA_DESC_SWAP:+, strides swapped})"
-      timeout -k 10 ${TEST_T:-200} .device/kernels --ignored --test-threads=1 --nocapture "$f" \
-        > "$OUT/test.txt" 2>&1
-      grep -E "^test |test result|panicked|warpgroup kernel|error|Error|seed" "$OUT/test.txt" | head -20
-      grep -q "test result: ok" "$OUT/test.txt" || { ok=0; grep -iE -A12 "compilation error|\[Compilation" "$OUT/test.txt" | head -60; }
-      echo "$f: $((SECONDS - start)) s"
-      [ $ok = 1 ] || break
-    done
-    [ $ok = 1 ]
-  }
-  if ! run_tests; then
-    if QERL_WGMMA_DESC_SWAP=1 run_tests; then
-      swap=QERL_WGMMA_DESC_SWAP=1,
-      echo "== passes with the strides swapped"
-    else
-      echo "== warpgroup kernel fails both ways: no timing"
+  for f in cuda_bf16::matmul_mma_segments cuda_bf16::matmul_mma_decode_batches; do
+    start=$SECONDS
+    echo "== $f (warpgroup)"
+    timeout -k 10 ${TEST_T:-200} .device/kernels --ignored --test-threads=1 --nocapture "$f" \
+      > "$OUT/test.txt" 2>&1
+    grep -E "^test |test result|panicked|warpgroup kernel|error|Error|seed" "$OUT/test.txt" | head -20
+    echo "$f: $((SECONDS - start)) s"
+    if ! grep -q "test result: ok" "$OUT/test.txt"; then
+      grep -iE -A12 "compilation error|\[Compilation" "$OUT/test.txt" | head -60
+      echo "== the warpgroup kernel fails its tests: no timing"
       exit 0
     fi
-  fi
+  done
 fi
-w="${swap}QERL_MMA_KERNEL=warpgroup"
+# Since session 23 the warpgroup kernel is the default on sm_90 from 33 rows: `staged` asks for
+# the staged kernel by name.
+s=QERL_MMA_KERNEL=staged
 TESTS=0 TAIL=${TAIL:-6} ROLLOUT_T=${ROLLOUT_T:-150} QERL_TAR=.device/qerl.tar.gz \
-  VARIANTS=${VARIANTS:-"staged:CHECK=1,B=16+64+256 wg:$w,CHECK=1,B=16+64+256"} \
+  VARIANTS=${VARIANTS:-"wg:CHECK=1,B=16+64+256 staged:$s,B=16+64+256 wg2:B=64+256 staged2:$s,B=64+256"} \
   bash tools/device_mma_check.sh
 if [ "${PROFILE:-0}" = 1 ]; then
   # shellcheck disable=SC2086
-  TOP=${TOP:-16} bash tools/device_step_profile.sh ${PROFILE_SPEC:-"staged:@64" "wg:$w@64"}
+  TOP=${TOP:-16} bash tools/device_step_profile.sh ${PROFILE_SPEC:-"staged:$s@64" "wg:@64"}
 fi
 if [ "${PROFILE256:-0}" = 1 ]; then
   # shellcheck disable=SC2086
   SKIP=${SKIP256:-56000} COUNT=${COUNT256:-16000} NEW=64 NCU_T=${NCU_T256:-240} TOP=${TOP:-16} \
-    bash tools/device_step_profile.sh ${PROFILE256_SPEC:-"staged:@256" "wg:$w@256"}
+    bash tools/device_step_profile.sh ${PROFILE256_SPEC:-"staged:$s@256" "wg:@256"}
 fi
 # SECTIONS=1: ncu's stall and occupancy sections of four consecutive warpgroup launches (one
 # layer's q/k/v, o, gate/up and down) of the batch-64 decode steps.

@@ -26,10 +26,10 @@ pub use crate::gemm_mma::{
     launches as mma_launches, options as mma_options, segment_launches as mma_segment_launches,
     segments_enabled as mma_segments, set_options as set_mma_options,
     set_segments as set_mma_segments, warpgroup_launches as mma_warpgroup_launches, MmaDecode,
-    MmaKernel, MmaOptions,
-    DEFAULT_MAX_M as MMA_DEFAULT_MAX_M, DEFAULT_PREFETCH as MMA_DEFAULT_PREFETCH,
-    DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM, DEFAULT_X_AHEAD as MMA_DEFAULT_X_AHEAD,
-    MAX_M_LIMIT as MMA_MAX_M_LIMIT, WARPGROUP_MIN_M as MMA_WARPGROUP_MIN_M,
+    MmaKernel, MmaOptions, DEFAULT_MAX_M as MMA_DEFAULT_MAX_M,
+    DEFAULT_PREFETCH as MMA_DEFAULT_PREFETCH, DEFAULT_WARPS_PER_SM as MMA_DEFAULT_WARPS_PER_SM,
+    DEFAULT_X_AHEAD as MMA_DEFAULT_X_AHEAD, MAX_M_LIMIT as MMA_MAX_M_LIMIT,
+    WARPGROUP_MIN_M as MMA_WARPGROUP_MIN_M,
 };
 pub use crate::gemv::{
     set_decode_max_m, set_k_planes as set_decode_k_planes, DEFAULT_DECODE_MAX_M,

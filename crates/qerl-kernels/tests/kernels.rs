@@ -942,7 +942,10 @@ fn warpgroup_ran(before: usize) {
     let ran = gemm::mma_warpgroup_launches() - before;
     eprintln!("warpgroup kernel launches: {ran}");
     if std::env::var("QERL_MMA_TEST_KERNEL").as_deref() == Ok("warpgroup") {
-        assert!(ran > 0, "QERL_MMA_TEST_KERNEL=warpgroup: the warpgroup kernel never ran");
+        assert!(
+            ran > 0,
+            "QERL_MMA_TEST_KERNEL=warpgroup: the warpgroup kernel never ran"
+        );
     }
 }
 

@@ -642,7 +642,10 @@ mod tests {
         assert!(g.staged && g.warpgroup);
         let s = Geometry::plan(64, 37888, 3584, &o, 132, true);
         assert!(!s.warpgroup);
-        assert_eq!((g.r_tiles, g.m_tiles, g.grid, g.per), (s.r_tiles, s.m_tiles, s.grid, s.per));
+        assert_eq!(
+            (g.r_tiles, g.m_tiles, g.grid, g.per),
+            (s.r_tiles, s.m_tiles, s.grid, s.per)
+        );
         assert!(!Geometry::plan_on(16, 37888, 3584, &o, 132, true, true).warpgroup);
         assert!(Geometry::plan_on(256, 3584, 18944, &o, 132, true, true).warpgroup);
         let staged = MmaOptions {

@@ -41,7 +41,10 @@
 //! fragments and spread decoding, with `X` copied into shared memory once per cube in fragment
 //! order and up to 64 tokens per decoded fragment; both kernels end in [`finish`].
 //! `segments.rs` runs its body over two or three weights that share `X` (q/k/v, gate/up) in
-//! one grid, with one split-K reduction for all.
+//! one grid, with one split-K reduction for all. `warpgroup.rs` (CUDA sm_90, the default there
+//! from [`WARPGROUP_MIN_M`] rows) is the staged product, one weight or segments, on Hopper's
+//! warpgroup MMA: hand-written CUDA (`warpgroup.cu`) that cubecl compiles and launches as its
+//! own, with `B` read by the tensor cores from shared memory.
 
 mod launch;
 mod segments;

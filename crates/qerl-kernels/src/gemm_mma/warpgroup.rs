@@ -71,10 +71,12 @@ impl Config {
     /// The full CUDA text: the configuration, then `warpgroup.cu` with `wgmma_step` for this
     /// cube's tokens.
     fn source(&self) -> String {
-        let (lbo, sbo) = descriptor_strides();
+        let (lbo, sbo) = DESCRIPTOR_STRIDES;
         // The staged kernel's registers a unit (128: two 8-warp cubes a multiprocessor), which
-        // the split-K planner counts on; `QERL_WGMMA_MIN_CUBES` (1 to 4) asks for more.
-        let min_cubes = min_cubes().unwrap_or_else(|| super::launch::resident_cubes(self.warps));
+        // the split-K planner counts on. Three cubes (85 registers) measured slower on an H200
+        // (2026-11-28, 7B decode: batch 64 8.24 and 8.46 ms a step against 7.92 and 7.75;
+        // batch 256 18.84 and 19.14 against 17.56 and 18.34).
+        let min_cubes = super::launch::resident_cubes(self.warps);
         let defines = [
             ("WARPS", self.warps),
             ("M_TILES", self.m_tiles),
@@ -99,27 +101,10 @@ impl Config {
     }
 }
 
-/// `QERL_WGMMA_MIN_CUBES`: cubes a multiprocessor must hold (the kernel's registers capped to
-/// match), read once; an experiment's knob.
-fn min_cubes() -> Option<usize> {
-    static CUBES: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *CUBES.get_or_init(|| {
-        std::env::var("QERL_WGMMA_MIN_CUBES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|c| (1..=4).contains(c))
-    })
-}
-
-/// `(LBO, SBO)` of the `X` descriptor in bytes: 128 between the two cores of a 16-deep step
-/// along K, 1024 between groups of 8 tokens (`QERL_WGMMA_DESC_SWAP=1` swaps them, to test the
-/// reading of the PTX manual on a GPU).
-fn descriptor_strides() -> (usize, usize) {
-    match std::env::var("QERL_WGMMA_DESC_SWAP").as_deref() {
-        Ok("1") => (1024, 128),
-        _ => (128, 1024),
-    }
-}
+/// `(LBO, SBO)` of the `X` descriptor in bytes (a K-major operand without swizzle): 128 between
+/// the two cores of a 16-deep step along K, 1024 between groups of 8 tokens, as the PTX manual's
+/// canonical layout reads; the CUDA tests confirmed it on an H200 (2026-11-28).
+const DESCRIPTOR_STRIDES: (usize, usize) = (128, 1024);
 
 /// `wgmma_step(d, a0..a3, desc)`: `d[N/2] += A[64x16] · B[16xN]` for the warpgroup, `A` from
 /// registers (the four `m16n8k16` `A` registers of each warp's 16 rows), `B` K-major from
@@ -335,8 +320,17 @@ mod tests {
         };
         let s = c.source();
         for d in [
-            "WARPS 8", "M_TILES 8", "BLOCK 16", "DEPTH 2", "HAS_LORA 1", "SPLIT 1", "OUT_F32 1",
-            "SEGMENTS 2", "MIN_CUBES 2", "LBO 128", "SBO 1024",
+            "WARPS 8",
+            "M_TILES 8",
+            "BLOCK 16",
+            "DEPTH 2",
+            "HAS_LORA 1",
+            "SPLIT 1",
+            "OUT_F32 1",
+            "SEGMENTS 2",
+            "MIN_CUBES 2",
+            "LBO 128",
+            "SBO 1024",
         ] {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }
