@@ -338,7 +338,7 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     let bf16 = F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked();
     let sms = splitk::multiprocessors(client);
     let hopper = super::warpgroup_available(client);
-    let geometry = Geometry::plan_on(m, n, k, &options(), sms, bf16, hopper);
+    let geometry = Geometry::plan(m, n, k, &options(), sms, bf16, hopper);
     let splits = geometry.grid.2;
     if splits == 1 {
         geometry.run::<R, F, F>(client, x, weight, bias, lora, y);
@@ -371,23 +371,10 @@ pub(super) struct Geometry {
 }
 
 impl Geometry {
-    /// [`Geometry::plan_on`] a device without warpgroup MMA.
-    #[cfg(test)]
-    pub(super) fn plan(
-        m: usize,
-        n: usize,
-        k: usize,
-        o: &MmaOptions,
-        sms: usize,
-        bf16: bool,
-    ) -> Geometry {
-        Self::plan_on(m, n, k, o, sms, bf16, false)
-    }
-
     /// Tiles, grid (with split-K) and decoding for `m` rows of an `n x k` weight on a device of
     /// `sms` multiprocessors; `bf16`: the activations are bf16 (the bit placement is exact
     /// for bf16 only); `hopper`: the device runs the warpgroup kernel (sm_90).
-    pub(super) fn plan_on(
+    pub(super) fn plan(
         m: usize,
         n: usize,
         k: usize,
@@ -587,7 +574,7 @@ mod tests {
     fn token_groups_lead_the_grid_past_64_rows() {
         let o = defaults();
         // 7B gate/up: N = 37888, K = 3584, 132 multiprocessors (an H100 SXM)
-        let g = Geometry::plan(64, 37888, 3584, &o, 132, true);
+        let g = Geometry::plan(64, 37888, 3584, &o, 132, true, false);
         assert_eq!((g.r_tiles, g.m_tiles), (1, 8));
         assert!(g.staged && !g.m_major);
         assert_eq!((g.grid.0, g.grid.1), (37888usize.div_ceil(16 * 8), 1));
@@ -595,20 +582,20 @@ mod tests {
             kernel: MmaKernel::Direct,
             ..o
         };
-        let g = Geometry::plan(64, 37888, 3584, &direct, 132, true);
+        let g = Geometry::plan(64, 37888, 3584, &direct, 132, true, false);
         assert_eq!((g.r_tiles, g.m_tiles), (2, 4));
         assert!(!g.staged && !g.m_major);
         assert_eq!((g.grid.0, g.grid.1), (37888usize.div_ceil(32 * 4), 2));
-        let g = Geometry::plan(256, 37888, 3584, &o, 132, true);
+        let g = Geometry::plan(256, 37888, 3584, &o, 132, true, false);
         assert!(g.m_major);
         assert_eq!((g.grid.0, g.grid.1), (4, 37888usize.div_ceil(16 * 8)));
         assert_eq!(g.decode, super::super::DECODE_SPREAD);
-        let g = Geometry::plan(1, 4608, 3584, &o, 132, true);
+        let g = Geometry::plan(1, 4608, 3584, &o, 132, true, false);
         assert_eq!((g.r_tiles, g.m_tiles, g.m_major), (4, 1, false));
         assert_eq!(g.decode, super::super::DECODE_PAIRS);
         assert!(!g.staged);
         // the bit placement only for bf16
-        let g = Geometry::plan(100, 512, 3584, &o, 132, false);
+        let g = Geometry::plan(100, 512, 3584, &o, 132, false, false);
         assert!(g.m_major && !g.staged);
         assert_eq!(g.decode, super::super::DECODE_TABLE);
     }
@@ -620,16 +607,16 @@ mod tests {
     fn staged_splits_fill_whole_waves() {
         let o = defaults();
         assert_eq!(resident_cubes(STAGED_WARPS_PER_CUBE), 2);
-        let down = Geometry::plan(64, 3584, 18944, &o, 132, true);
+        let down = Geometry::plan(64, 3584, 18944, &o, 132, true, false);
         assert!(down.staged);
         assert_eq!((down.grid, down.per), ((28, 1, 9), 33));
-        let out = Geometry::plan(64, 3584, 3584, &o, 132, true);
+        let out = Geometry::plan(64, 3584, 3584, &o, 132, true, false);
         assert_eq!((out.grid, out.per), ((28, 1, 8), 7));
         let target = MmaOptions {
             warps_per_sm: 24,
             ..o
         };
-        let down = Geometry::plan(64, 3584, 18944, &target, 132, true);
+        let down = Geometry::plan(64, 3584, 18944, &target, 132, true, false);
         assert_eq!((down.grid, down.per), ((28, 1, 15), 20));
     }
 
@@ -638,26 +625,26 @@ mod tests {
     #[test]
     fn warpgroup_by_default_on_hopper_from_33_rows() {
         let o = defaults();
-        let g = Geometry::plan_on(64, 37888, 3584, &o, 132, true, true);
+        let g = Geometry::plan(64, 37888, 3584, &o, 132, true, true);
         assert!(g.staged && g.warpgroup);
-        let s = Geometry::plan(64, 37888, 3584, &o, 132, true);
+        let s = Geometry::plan(64, 37888, 3584, &o, 132, true, false);
         assert!(!s.warpgroup);
         assert_eq!(
             (g.r_tiles, g.m_tiles, g.grid, g.per),
             (s.r_tiles, s.m_tiles, s.grid, s.per)
         );
-        assert!(!Geometry::plan_on(16, 37888, 3584, &o, 132, true, true).warpgroup);
-        assert!(Geometry::plan_on(256, 3584, 18944, &o, 132, true, true).warpgroup);
+        assert!(!Geometry::plan(16, 37888, 3584, &o, 132, true, true).warpgroup);
+        assert!(Geometry::plan(256, 3584, 18944, &o, 132, true, true).warpgroup);
         let staged = MmaOptions {
             kernel: MmaKernel::Staged,
             ..o
         };
-        assert!(!Geometry::plan_on(64, 37888, 3584, &staged, 132, true, true).warpgroup);
+        assert!(!Geometry::plan(64, 37888, 3584, &staged, 132, true, true).warpgroup);
         let asked = MmaOptions {
             kernel: MmaKernel::Warpgroup,
             ..o
         };
-        let g = Geometry::plan_on(16, 37888, 3584, &asked, 132, true, true);
+        let g = Geometry::plan(16, 37888, 3584, &asked, 132, true, true);
         assert!(g.warpgroup && (g.r_tiles, g.m_tiles) == (1, 2));
     }
 
@@ -666,7 +653,7 @@ mod tests {
     fn token_groups_cover_every_row() {
         let o = defaults();
         for m in [2usize, 8, 9, 16, 17, 33, 64, 65, 100, 150, 255, 256] {
-            let g = Geometry::plan(m, 512, 1024, &o, 132, true);
+            let g = Geometry::plan(m, 512, 1024, &o, 132, true, false);
             let groups = if g.m_major { g.grid.0 } else { g.grid.1 };
             assert!(groups * 8 * g.m_tiles >= m, "M = {m}");
             assert!(

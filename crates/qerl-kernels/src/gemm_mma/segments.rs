@@ -241,7 +241,7 @@ pub(crate) fn plan<R: Runtime, F: Float>(
     let bf16 = F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked();
     let sms = splitk::multiprocessors(client);
     let hopper = super::warpgroup_available(client);
-    let g = Geometry::plan_on(m, n, w.k, &super::options(), sms, bf16, hopper);
+    let g = Geometry::plan(m, n, w.k, &super::options(), sms, bf16, hopper);
     let width = g.warps * 16 * g.r_tiles;
     (g.staged && segs.iter().all(|s| s.weight.n.is_multiple_of(width))).then_some(SegmentPlan(g))
 }
