@@ -42,14 +42,6 @@ typedef u16 out_t;
 #endif
 
 #define THREADS (WARPS * 32)
-// PIPE: chunk c's wgmma group still runs while chunk c + 1 is decoded (two `A` register sets,
-// `wait_group 1`), so `X` needs three shared buffers: the one being stored was read two chunks
-// ago, which both warpgroups waited for before the last barrier.
-#if PIPE
-#define NBUF 3
-#else
-#define NBUF 2
-#endif
 #define N_TOK (8 * M_TILES)
 #define CHUNK 64
 // u32 words of one chunk's `X` buffer: N_TOK tokens x 64 bf16.
@@ -106,15 +98,6 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait_all() {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_one() {
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
-// Keeps the `A` registers of a group in flight from being reused before this point.
-__device__ __forceinline__ void keep_alive(const u32 (&a)[4][4]) {
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-        asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]) : "memory");
-}
 // Keeps the compiler from moving reads or writes of `r` across the asynchronous steps.
 __device__ __forceinline__ void fence_operand(float& r) {
     asm volatile("" : "+f"(r)::"memory");
@@ -147,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     const float* __restrict__ lora_t2, const u32* __restrict__ lora_b2, out_t* y2,
     const Info info) {
     __shared__ float stab[256];
-    __shared__ __align__(128) u32 xs[NBUF * BUF_WORDS];
+    __shared__ __align__(128) u32 xs[2 * BUF_WORDS];
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -261,89 +244,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     __syncthreads();
 
     const u32 xs_base = smem_addr(xs);
-#if PIPE
-    u32 a2[2][4][4];
-#pragma unroll
-    for (int d = 0; d < 2; ++d)
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a2[d][s][i] = 0u;
-    for (int c2 = c0; c2 < c1; c2 += 2) {
-#pragma unroll
-        for (int d = 0; d < 2; ++d) {
-            const int c = c2 + d;
-            if (c < c1) {
-                u32 (&ap)[4][4] = a2[d];
-                // Chunk c's codes, then the next load into the ring's end.
-                u32x2 w0 = wq[0][0], w1 = wq[0][1];
-                u32 s0 = sq[0][0], s1 = sq[0][1];
-#pragma unroll
-                for (int r = 0; r < DEPTH; ++r) {
-                    wq[r][0] = wq[r + 1][0];
-                    wq[r][1] = wq[r + 1][1];
-                    sq[r][0] = sq[r + 1][0];
-                    sq[r][1] = sq[r + 1][1];
-                }
-                {
-                    const int cn = imin(c + DEPTH, last_chunk);
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        wq[DEPTH - 1][h] = codes[row_pair0[h] + cn * 4];
-                        sq[DEPTH - 1][h] = scale_bytes[(row_block0[h] + cn * (CHUNK / BLOCK)) >> 2];
-                    }
-                }
-                // One block scale a row for the lane's 16 codes, with 2^63 of the placement's 2^126.
-                u32 sc[2];
-                {
-                    const u32 b0 = row_block0[0] + c * (CHUNK / BLOCK);
-                    const u32 b1 = row_block0[1] + c * (CHUNK / BLOCK);
-                    const u32 byte0 = (s0 >> ((b0 & 3) * 8)) & 0xffu;
-                    const u32 byte1 = (s1 >> ((b1 & 3) * 8)) & 0xffu;
-                    const u32 h0 = bf16_of(stab[byte0] * TWO_POW_63);
-                    const u32 h1 = bf16_of(stab[byte1] * TWO_POW_63);
-                    sc[0] = h0 | (h0 << 16);
-                    sc[1] = h1 | (h1 << 16);
-                }
-                // Step s: code pairs (i0, i0 + 4) and (i0 + 1, i0 + 5) of word s / 2.
-#pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    const int i0 = 2 * (s % 2);
-                    const u32 wg = (s / 2) ? w0.y : w0.x;
-                    const u32 wg8 = (s / 2) ? w1.y : w1.x;
-                    ap[s][0] = mul_bf16x2(spread_bits(wg, i0), sc[0]);
-                    ap[s][1] = mul_bf16x2(spread_bits(wg8, i0), sc[1]);
-                    ap[s][2] = mul_bf16x2(spread_bits(wg, i0 + 1), sc[0]);
-                    ap[s][3] = mul_bf16x2(spread_bits(wg8, i0 + 1), sc[1]);
-                }
-#pragma unroll
-                for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
-                wgmma_fence();
-                const int buf = (c - c0) % 3;
-#pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    const u64 desc = smem_desc(xs_base + (buf * BUF_WORDS + s * 2 * 32) * 4);
-                    wgmma_step(acc, ap[s][0], ap[s][1], ap[s][2], ap[s][3], desc);
-                }
-                wgmma_commit();
-                // Chunk c - 1's group is done (its `A` registers and buffer free); chunk c + 1
-                // goes into the buffer chunk c - 2 was read from.
-                wgmma_wait_one();
-                keep_alive(a2[d ^ 1]);
-                STORE_X((c + 1 - c0) % 3);
-#pragma unroll
-                for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c + 2, last_chunk) * 8];
-                fence_proxy_async();
-                __syncthreads();
-            }
-        }
-    }
-    wgmma_wait_all();
-    keep_alive(a2[0]);
-    keep_alive(a2[1]);
-#pragma unroll
-    for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
-#else
     int buf = 0;
     for (int c = c0; c < c1; ++c) {
         // Chunk c's codes, then the next load into the ring's end.
@@ -413,8 +313,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         __syncthreads();
         buf ^= 1;
     }
-
-#endif
 
     // The half of 2^126 the block scales did not carry (a power of two: exact).
 #pragma unroll

@@ -89,7 +89,6 @@ impl Config {
             ("OUT_F32", self.out_f32 as usize),
             ("SEGMENTS", self.segments),
             ("MIN_CUBES", min_cubes),
-            ("PIPE", pipelined() as usize),
             ("LBO", lbo),
             ("SBO", sbo),
         ];
@@ -100,12 +99,6 @@ impl Config {
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
     }
-}
-
-/// `QERL_WGMMA_PIPE=1`: two `wgmma` groups in flight (an experiment, read once).
-fn pipelined() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("QERL_WGMMA_PIPE").as_deref() == Ok("1"))
 }
 
 /// `(LBO, SBO)` of the `X` descriptor in bytes (a K-major operand without swizzle): 128 between
