@@ -210,8 +210,8 @@ pub enum MmaKernel {
     /// cores from shared memory (`gemm_mma/warpgroup.cu`; CUDA sm_90 only, the staged kernel
     /// elsewhere).
     Warpgroup,
-    /// The default: staged wherever it applies, on warpgroup MMA above
-    /// [`WARPGROUP_MIN_M`] rows where the device has it (sm_90).
+    /// The default: staged wherever it applies, on warpgroup MMA from [`WARPGROUP_MIN_M`]
+    /// rows where the device has it (sm_90).
     Auto,
 }
 

@@ -13,7 +13,7 @@
 // one `wgmma.m64nNk16` a 16-deep step for all `N = 8*M_TILES` tokens of the cube.
 //
 // The host prepends the configuration:
-//   WARPS (4 or 8), M_TILES (1..16: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
+//   WARPS (4 or 8), M_TILES (1..8: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
 //   DEPTH (chunks of codes in flight, 1..4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
 //   SEGMENTS (1..3), MIN_CUBES (cubes a multiprocessor must hold: caps the registers), LBO,
 //   SBO (descriptor strides), and `wgmma_step` for this N in place of the marker below.
