@@ -456,17 +456,7 @@ impl Geometry {
         });
         #[cfg(feature = "cuda")]
         if super::warpgroup::runs(client, self) {
-            let seg = super::warpgroup::SegmentArgs {
-                codes: weight.codes.clone(),
-                scale_bytes: weight.scale_bytes.clone(),
-                scale_table: weight.scale_table.clone(),
-                bias,
-                lora_t: t,
-                lora_b: b,
-                y: y.clone(),
-                n,
-                lora_scale: scale,
-            };
+            let seg = super::warpgroup::SegmentArgs::new(weight, bias, (t, b, scale), y.clone());
             let out_f32 = O::as_type_native_unchecked() == f32::as_type_native_unchecked();
             let flags = (has_bias, has_lora, out_f32);
             super::warpgroup::launch(client, x, m, k, weight.block(), self, &[seg], flags, rank);

@@ -334,17 +334,9 @@ fn run<R: Runtime, F: Float, O: Float>(
                     Some((t, b, _, scale)) => (t.clone(), b.clone(), scale),
                     None => (unused.clone(), unused.clone(), 0.0),
                 };
-                super::warpgroup::SegmentArgs {
-                    codes: s.weight.codes.clone(),
-                    scale_bytes: s.weight.scale_bytes.clone(),
-                    scale_table: s.weight.scale_table.clone(),
-                    bias: s.bias.filter(|_| has_bias).unwrap_or(&unused).clone(),
-                    lora_t: t,
-                    lora_b: b,
-                    y: part.unwrap_or(s.y).clone(),
-                    n: s.weight.n,
-                    lora_scale: scale,
-                }
+                let bias = s.bias.filter(|_| has_bias).unwrap_or(&unused).clone();
+                let y = part.unwrap_or(s.y).clone();
+                super::warpgroup::SegmentArgs::new(s.weight, bias, (t, b, scale), y)
             })
             .collect();
         let out_f32 = part.is_some();

@@ -22,6 +22,7 @@
 //! bias, LoRA `T` and `B`, and `Y` of up to three weights); a single weight is one segment.
 
 use super::launch::Geometry;
+use crate::device::DeviceWeight;
 use cubecl::cuda::{CudaCompiler, CudaRuntime};
 use cubecl::features::Tma;
 use cubecl::prelude::*;
@@ -186,6 +187,29 @@ pub(crate) struct SegmentArgs {
     pub y: Handle,
     pub n: usize,
     pub lora_scale: f32,
+}
+
+impl SegmentArgs {
+    /// `weight`'s codes and scales with its bias (any buffer when there is none), LoRA `T`, `B`
+    /// and scale (any buffers and 0 when there is none) and output `y`.
+    pub(crate) fn new(
+        weight: &DeviceWeight,
+        bias: Handle,
+        (lora_t, lora_b, lora_scale): (Handle, Handle, f32),
+        y: Handle,
+    ) -> Self {
+        SegmentArgs {
+            codes: weight.codes.clone(),
+            scale_bytes: weight.scale_bytes.clone(),
+            scale_table: weight.scale_table.clone(),
+            bias,
+            lora_t,
+            lora_b,
+            y,
+            n: weight.n,
+            lora_scale,
+        }
+    }
 }
 
 /// Launches the kernel for `g` (the staged kernel's tiles, grid and split) over 1 to 3
