@@ -35,6 +35,19 @@ pub use crate::gemv::{
     set_decode_max_m, set_k_planes as set_decode_k_planes, DEFAULT_DECODE_MAX_M,
 };
 pub use crate::splitk::force_splits;
+
+/// Products the decode kernel on tensor cores (`gemv_mma`, CUDA bf16 at up to 8 rows) has run
+/// in this process (tests check that it ran); always 0 without the `cuda` feature.
+pub fn gemv_mma_launches() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        crate::gemv_mma::launches()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
+}
 pub use crate::tune::{
     cublas_min_m, cublas_usable, set_strategy, strategy, Strategy, TileConfig,
     DEFAULT_CUBLAS_MIN_M, STRATEGY_ENV,
@@ -661,7 +674,7 @@ pub fn matmul_segments<R: Runtime, F: Float>(
         crate::gemm_mma::launch_segments::<R, F>(client, x, m, &segs, &plan);
         return Ok(true);
     }
-    if !crate::gemv::segments_apply(client, m, &segs, tensor_cores::<R, F>(client, m, k)) {
+    if !crate::gemv::segments_apply::<R, F>(client, m, &segs, tensor_cores::<R, F>(client, m, k)) {
         return Ok(false);
     }
     check_segments::<F>(x, m, k, products)?;

@@ -718,6 +718,10 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     y: &Handle,
     keep_parts: bool,
 ) -> Option<(Handle, usize)> {
+    #[cfg(feature = "cuda")]
+    if crate::gemv_mma::applies::<R, F>(client, m, weight, lora.as_ref().map(|l| l.2)) {
+        return crate::gemv_mma::launch::<R, F>(client, x, m, weight, bias, lora, y, keep_parts);
+    }
     let (n, k) = (weight.n, weight.k);
     // 32 wherever `applies` holds; tests may run other widths.
     let plane = client.properties().hardware.plane_size_max as usize;
@@ -805,12 +809,16 @@ pub(crate) struct Segment<'a> {
 
 /// Whether [`launch_segments`] takes these products: two or three of one format and `K`, the
 /// same epilogue terms (and LoRA rank) on each, and none that the split planner would split.
-pub(crate) fn segments_apply<R: Runtime>(
+pub(crate) fn segments_apply<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     m: usize,
     segs: &[Segment<'_>],
     tensor_cores: bool,
 ) -> bool {
+    #[cfg(feature = "cuda")]
+    if crate::gemv_mma::segments_apply::<R, F>(client, m, segs) {
+        return true;
+    }
     let Some(first) = segs.first() else {
         return false;
     };
@@ -848,6 +856,11 @@ pub(crate) fn launch_segments<R: Runtime, F: Float>(
     m: usize,
     segs: &[Segment<'_>],
 ) {
+    #[cfg(feature = "cuda")]
+    if crate::gemv_mma::segments_apply::<R, F>(client, m, segs) {
+        crate::gemv_mma::launch_segments(client, x, m, segs);
+        return;
+    }
     let plane = client.properties().hardware.plane_size_max as usize;
     let k = segs[0].weight.k;
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];

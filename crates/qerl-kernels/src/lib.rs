@@ -26,6 +26,8 @@ pub mod attention;
 pub mod blas;
 #[cfg(feature = "cuda")]
 mod cublas;
+#[cfg(feature = "cuda")]
+mod cuda_source;
 pub mod dense;
 pub mod dequant;
 mod device;
@@ -33,6 +35,8 @@ pub mod gemm;
 mod gemm_mma;
 mod gemm_tc;
 mod gemv;
+#[cfg(feature = "cuda")]
+mod gemv_mma;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;

@@ -1440,6 +1440,155 @@ pub fn matmul_decode<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
     }
 }
 
+/// The decode product on tensor cores (`gemv_mma`: CUDA bf16, M <= 8, K a multiple of 128; the
+/// decode kernel elsewhere): M 1, 3 and 8 (the batch `mma` kernel held off below 9 rows), NVFP4
+/// and MXFP4, N not a multiple of 16, with bias and LoRA of rank 16 or 6 or neither, unsplit,
+/// with forced 3 and 7 K-slices and a chosen split (deep K), the unreduced slices adding up to
+/// the reduced output bit for bit; then q/k/v- and gate/up-like segments. Outputs poisoned,
+/// against the f64 reference. With `QERL_GEMV_MMA_EXPECT=1`, checks that the kernel ran.
+pub fn matmul_decode_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
+    let c = R::client(device);
+    if !supported::<R, F>(&c) {
+        return;
+    }
+    let _mma = mma_guard(gemm::MmaOptions {
+        min_m: 9,
+        ..gemm::mma_options()
+    });
+    let before = gemm::gemv_mma_launches();
+    let (mut rng, seed) = fresh_rng();
+    let cases = [
+        (QuantFormat::Nvfp4, 40, 1024),
+        (QuantFormat::Mxfp4, 72, 2048),
+        (QuantFormat::Nvfp4, 300, 8192),
+    ];
+    for (format, n, k) in cases {
+        let w = random_weight(&mut rng, format, n, k);
+        let dw = DeviceWeight::upload(&c, &w).unwrap();
+        let deq = w.dequantize();
+        for m in [1, 3, 8] {
+            for (forced, rank) in [(None, 16), (Some(3), 6), (Some(7), 16), (None, 0)] {
+                let _guard = SplitGuard::force(forced);
+                let what =
+                    format!("decode mma {format} M={m} N={n} K={k} splits={forced:?} r={rank}");
+                let x = normal(&mut rng, m * k, 1.0);
+                let bias = normal(&mut rng, n, 0.5);
+                let a = normal(&mut rng, rank.max(1) * k, 0.05);
+                let b = normal(&mut rng, n * rank.max(1), 0.1);
+                let (xh, bh, ah, lbh) = (
+                    upload::<R, F>(&c, &x),
+                    upload::<R, F>(&c, &bias),
+                    upload::<R, F>(&c, &a),
+                    upload::<R, F>(&c, &b),
+                );
+                let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank.max(1)]));
+                if rank > 0 {
+                    gemm::lora_down::<R, F>(&c, &xh, &ah, &t, m, k, rank).unwrap();
+                }
+                let lora = || {
+                    (rank > 0).then_some(gemm::LoraEpilogue {
+                        t: &t,
+                        b: &lbh,
+                        rank,
+                        scale: 1.5,
+                    })
+                };
+                let bias_h = (rank > 0).then_some(&bh);
+                let y = poisoned::<R, F>(&c, m * n);
+                gemm::matmul::<R, F>(&c, &xh, m, &dw, bias_h, lora(), &y).unwrap();
+                let (ra, rb) = (rounded::<F>(&a), rounded::<F>(&b));
+                let lref = LoraRef {
+                    a: &ra,
+                    b: &rb,
+                    rank,
+                    scale: 1.5,
+                };
+                let rbias = rounded::<F>(&bias);
+                let want = matmul_ref(
+                    &rounded::<F>(&x),
+                    &deq,
+                    m,
+                    n,
+                    k,
+                    (rank > 0).then_some(&rbias[..]),
+                    (rank > 0).then_some(&lref),
+                );
+                let reduced = read::<R, F>(&c, &y);
+                assert_close(&what, &reduced, &want, tol, seed);
+
+                let y2 = poisoned::<R, F>(&c, m * n);
+                let parts =
+                    gemm::matmul_or_parts::<R, F>(&c, &xh, m, &dw, bias_h, lora(), &y2).unwrap();
+                let summed: Vec<f64> = match &parts {
+                    Some(p) => {
+                        let v = f32::from_bytes(&c.read_one(p.parts.clone()).unwrap()).to_vec();
+                        (0..m * n)
+                            .map(|i| {
+                                let sum = (0..p.splits).fold(0.0f32, |a, s| a + v[s * m * n + i]);
+                                F::from(sum).unwrap().to_f64().unwrap()
+                            })
+                            .collect()
+                    }
+                    None => read::<R, F>(&c, &y2),
+                };
+                let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&summed),
+                    bits(&reduced),
+                    "{what}: unreduced slices ({:?}) against the reduction, seed {seed}",
+                    parts.as_ref().map(|p| p.splits)
+                );
+            }
+        }
+    }
+    let rank = 16;
+    let seg_cases: [(QuantFormat, &[usize], usize); 2] = [
+        (QuantFormat::Nvfp4, &[256, 64, 64], 1024),
+        (QuantFormat::Mxfp4, &[384, 128], 2048),
+    ];
+    for (format, widths, k) in seg_cases {
+        for m in [1, 5] {
+            let x = normal(&mut rng, m * k, 1.0);
+            let xh = upload::<R, F>(&c, &x);
+            let rx = rounded::<F>(&x);
+            let segs: Vec<SegCase> = widths
+                .iter()
+                .map(|&n| seg_case::<R, F>(&c, &mut rng, format, m, n, k, &xh, rank))
+                .collect();
+            for (bias, lora) in [(true, true), (false, false)] {
+                let what = format!(
+                    "decode mma segments {format} N={widths:?} K={k} M={m} bias={bias} lora={lora}"
+                );
+                let ys: Vec<Handle> = segs.iter().map(|s| poisoned::<R, F>(&c, m * s.n)).collect();
+                let p = seg_products(&segs, &ys, bias, lora, rank);
+                if !gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap() {
+                    eprintln!("{what}: not taken here");
+                    continue;
+                }
+                check_segment_outputs::<R, F>(
+                    &c,
+                    &what,
+                    &segs,
+                    &ys,
+                    &rx,
+                    (m, k, rank),
+                    (bias, lora),
+                    tol,
+                    seed,
+                );
+            }
+        }
+    }
+    let ran = gemm::gemv_mma_launches() - before;
+    eprintln!("decode mma kernel launches: {ran}");
+    if std::env::var("QERL_GEMV_MMA_EXPECT").as_deref() == Ok("1") {
+        assert!(
+            ran > 0,
+            "QERL_GEMV_MMA_EXPECT=1: the decode mma kernel never ran"
+        );
+    }
+}
+
 /// Split-K on the tensor-core path (CUDA f16/bf16): the forward product with bias, with LoRA
 /// (whose `lora_down` splits too), and dX, with K-slices that do not divide the reduction
 /// (forced 3 and 7 slices of 4128/32 = 129 stages), and automatic splits on narrow-N, deep-K
@@ -1860,6 +2009,8 @@ macro_rules! suite {
             fn matmul_decode_split_k() { super::matmul_decode::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_decode_segments() { super::matmul_decode_segments::<R, F>(&$device, TOL) }
+            $(#[$attr])? #[test]
+            fn matmul_decode_mma() { super::matmul_decode_mma::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]
             fn matmul_tensor_cores_split_k() { super::matmul_split_k::<R, F>(&$device, TOL) }
             $(#[$attr])? #[test]

@@ -9,26 +9,18 @@
 //! with the decoded weight as its register `A` operand exactly as now. cubecl 0.10 emits no
 //! `wgmma` (the shared notes `cubecl-0.10-engine-facts.md` §5).
 //!
-//! How it reaches the GPU: cubecl compiles a kernel from the text a [`CubeTask`] returns and
-//! launches it with [`KernelArguments`] on the calling thread's stream, the same stream as every
-//! other kernel of the step, so no host synchronisation is needed. [`WarpgroupTask`] compiles a
-//! one-line frame kernel for the representation cubecl's CUDA backend reads (it only asks it
-//! for the dynamic shared-memory size, 0 here: the kernel's shared memory is static), then
-//! replaces its source with `warpgroup.cu`, configured by `#define`s. The scalars go as a
-//! custom info block ([`MetadataBindingInfo::custom`], the form cubecl offers for externally
-//! compiled kernels) with no dynamic part, so cubecl passes it by value as the last argument.
+//! How it reaches the GPU: [`crate::cuda_source`] compiles it by cubecl's own NVRTC path and
+//! launches it on cubecl's own stream, configured by `#define`s, its scalars as one struct.
 //!
 //! The kernel takes the segments kernel's arguments (`X`, then codes, scale bytes, scale table,
 //! bias, LoRA `T` and `B`, and `Y` of up to three weights); a single weight is one segment.
 
 use super::launch::Geometry;
+use crate::cuda_source;
 use crate::device::DeviceWeight;
-use cubecl::cuda::{CudaCompiler, CudaRuntime};
 use cubecl::features::Tma;
 use cubecl::prelude::*;
-use cubecl::server::{Binding, Handle, KernelArguments, MetadataBindingInfo};
-use cubecl::{CompilationError, CubeTask};
-use std::hash::{DefaultHasher, Hash, Hasher};
+use cubecl::server::{Binding, Handle};
 
 const SOURCE: &str = include_str!("warpgroup.cu");
 const ENTRY: &str = "qerl_wgmma_w4a16";
@@ -78,7 +70,7 @@ impl Config {
         // (2026-11-28, 7B decode: batch 64 8.24 and 8.46 ms a step against 7.92 and 7.75;
         // batch 256 18.84 and 19.14 against 17.56 and 18.34).
         let min_cubes = super::launch::resident_cubes(self.warps);
-        let defines = [
+        let mut text = cuda_source::defines(&[
             ("WARPS", self.warps),
             ("M_TILES", self.m_tiles),
             ("BLOCK", self.block),
@@ -92,11 +84,7 @@ impl Config {
             ("MIN_CUBES", min_cubes),
             ("LBO", lbo),
             ("SBO", sbo),
-        ];
-        let mut text: String = defines
-            .iter()
-            .map(|(k, v)| format!("#define {k} {v}\n"))
-            .collect();
+        ]);
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
     }
@@ -129,51 +117,6 @@ fn wgmma_step(n: usize) -> String {
         desc = regs + 4,
         outs = outs.join(", "),
     )
-}
-
-/// A frame whose compiled form gives cubecl the representation it asks of every CUDA kernel
-/// (here: no dynamic shared memory); its text is never used.
-#[cube(launch_unchecked)]
-fn wgmma_frame(out: &mut Array<u32>) {
-    out[0] = 0u32;
-}
-
-/// `warpgroup.cu` for one [`Config`], as a task cubecl compiles and caches (its id hashes the
-/// full text, so an edited kernel never meets an old cache entry).
-struct WarpgroupTask {
-    source: String,
-    hash: u64,
-    cube_dim: CubeDim,
-    frame: KernelTask<CudaCompiler, wgmma_frame::WgmmaFrame<CudaRuntime>>,
-}
-
-impl KernelMetadata for WarpgroupTask {
-    fn id(&self) -> KernelId {
-        KernelId::new::<Self>()
-            .info(self.hash)
-            .cube_dim(self.cube_dim)
-    }
-
-    fn address_type(&self) -> StorageType {
-        self.frame.address_type()
-    }
-}
-
-impl CubeTask<CudaCompiler> for WarpgroupTask {
-    fn compile(
-        &self,
-        compiler: &mut CudaCompiler,
-        options: &<CudaCompiler as cubecl::Compiler>::CompilationOptions,
-        mode: ExecutionMode,
-        address_type: StorageType,
-    ) -> Result<CompiledKernel<CudaCompiler>, CompilationError> {
-        let mut kernel = self.frame.compile(compiler, options, mode, address_type)?;
-        kernel.source = self.source.clone();
-        kernel.entrypoint_name = ENTRY.to_string();
-        kernel.debug_name = Some("qerl_wgmma_w4a16");
-        kernel.cube_dim = self.cube_dim;
-        Ok(kernel)
-    }
 }
 
 /// One weight's buffers and scalars as the kernel takes them.
@@ -245,23 +188,6 @@ pub(crate) fn launch<R: Runtime>(
         out_f32,
         segments: segs.len(),
     };
-    let source = config.source();
-    let mut h = DefaultHasher::new();
-    source.hash(&mut h);
-    let cube_dim = CubeDim::new_1d((32 * g.warps) as u32);
-    let settings = KernelSettings::default().cube_dim(cube_dim);
-    let frame = wgmma_frame::WgmmaFrame::<CudaRuntime>::new(
-        settings,
-        client.clone(),
-        ArrayCompilationArg { inplace: None },
-    );
-    let task = WarpgroupTask {
-        source,
-        hash: h.finish(),
-        cube_dim,
-        frame: KernelTask::new(frame),
-    };
-
     let width = 16 * g.warps;
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
     let n_total: usize = segs.iter().map(|s| s.n).sum();
@@ -288,7 +214,7 @@ pub(crate) fn launch<R: Runtime>(
         }
     }
     // `Info` of warpgroup.cu: ten u32, then three f32.
-    let words32: [u32; 14] = [
+    let words32: [u32; 13] = [
         m as u32,
         seg(0).n as u32,
         seg(1).n as u32,
@@ -302,24 +228,21 @@ pub(crate) fn launch<R: Runtime>(
         seg(0).lora_scale.to_bits(),
         seg(1).lora_scale.to_bits(),
         seg(2).lora_scale.to_bits(),
-        0,
     ];
-    let data: Vec<u64> = words32
-        .chunks(2)
-        .map(|p| p[0] as u64 | ((p[1] as u64) << 32))
-        .collect();
-    let mut args = KernelArguments::new();
-    args.buffers = buffers;
-    // All of it is the scalar block, passed by value: a dynamic part (`custom` makes all of it
-    // dynamic) would be uploaded and its pointer inserted before the block as one more argument.
-    let words = data.len();
-    args.info = MetadataBindingInfo::custom(data);
-    args.info.dynamic_metadata_offset = words;
-    let count = CubeCount::Static(g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32);
     // SAFETY: the kernel bounds rows by each segment's N, tokens by M, chunks by K / 64 and
     // LoRA columns by the rank; every buffer is the size the staged kernel takes (checked by
-    // the caller), and the info block is `Info`'s layout.
-    unsafe { client.launch_unchecked(Box::new(task), count, args) };
+    // the caller), and the scalars are `Info`'s layout.
+    unsafe {
+        cuda_source::launch(
+            client,
+            config.source(),
+            ENTRY,
+            (32 * g.warps) as u32,
+            (g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32),
+            buffers,
+            &words32,
+        )
+    };
 }
 
 #[cfg(test)]

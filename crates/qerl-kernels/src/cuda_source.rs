@@ -1,0 +1,123 @@
+//! Hand-written CUDA kernels, compiled by cubecl's own NVRTC path and launched on cubecl's own
+//! stream (CUDA builds only).
+//!
+//! cubecl 0.10 emits neither `wgmma` nor the register-level bit tricks some products need (the
+//! shared notes `cubecl-0.10-engine-facts.md` §5), and exposes no stream to launch on. It does
+//! compile whatever text a [`CubeTask`] returns and runs it through
+//! [`ComputeClient::launch_unchecked`] in order with every other kernel of the step, so no host
+//! synchronisation is needed. [`SourceTask`] compiles a one-line `#[cube]` frame for the
+//! representation cubecl's CUDA backend asks of every kernel (only its dynamic shared memory, 0
+//! here: these kernels' shared memory is static), then swaps in the text. Its [`KernelId`]
+//! hashes the whole text, so an edited kernel never meets an old cache entry.
+//!
+//! The scalars go as a custom info block ([`MetadataBindingInfo::custom`], the form cubecl
+//! offers for externally compiled kernels) with no dynamic part, so cubecl passes it by value as
+//! the kernel's last argument; with a dynamic part it would upload it and insert a pointer
+//! argument before it (the first launch's illegal address, 2026-11-28).
+
+use cubecl::cuda::{CudaCompiler, CudaRuntime};
+use cubecl::prelude::*;
+use cubecl::server::{Binding, KernelArguments, MetadataBindingInfo};
+use cubecl::{CompilationError, CubeTask};
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+/// A frame whose compiled form gives cubecl the representation it asks of every CUDA kernel;
+/// its text is never used.
+#[cube(launch_unchecked)]
+fn source_frame(out: &mut Array<u32>) {
+    out[0] = 0u32;
+}
+
+/// One CUDA text with its entry point, as a task cubecl compiles, caches and launches.
+struct SourceTask {
+    source: String,
+    entry: &'static str,
+    hash: u64,
+    cube_dim: CubeDim,
+    frame: KernelTask<CudaCompiler, source_frame::SourceFrame<CudaRuntime>>,
+}
+
+impl KernelMetadata for SourceTask {
+    fn id(&self) -> KernelId {
+        KernelId::new::<Self>()
+            .info(self.hash)
+            .cube_dim(self.cube_dim)
+    }
+
+    fn address_type(&self) -> StorageType {
+        self.frame.address_type()
+    }
+}
+
+impl CubeTask<CudaCompiler> for SourceTask {
+    fn compile(
+        &self,
+        compiler: &mut CudaCompiler,
+        options: &<CudaCompiler as cubecl::Compiler>::CompilationOptions,
+        mode: ExecutionMode,
+        address_type: StorageType,
+    ) -> Result<CompiledKernel<CudaCompiler>, CompilationError> {
+        let mut kernel = self.frame.compile(compiler, options, mode, address_type)?;
+        kernel.source = self.source.clone();
+        kernel.entrypoint_name = self.entry.to_string();
+        kernel.debug_name = Some(self.entry);
+        kernel.cube_dim = self.cube_dim;
+        Ok(kernel)
+    }
+}
+
+/// `#define NAME value` lines for a kernel's configuration, ahead of its text.
+pub(crate) fn defines(values: &[(&str, usize)]) -> String {
+    values
+        .iter()
+        .map(|(k, v)| format!("#define {k} {v}\n"))
+        .collect()
+}
+
+/// Launches `source`'s `entry` (`extern "C" __global__`) on `count` cubes of `threads` units:
+/// its arguments are `buffers` in order, then one struct passed by value holding `scalars`
+/// (32-bit words, little-endian, padded to 8 bytes).
+///
+/// # Safety
+/// The kernel must read and write the buffers only in bounds and take exactly these
+/// arguments, the last one a struct of `scalars`' layout.
+pub(crate) unsafe fn launch(
+    client: &ComputeClient<CudaRuntime>,
+    source: String,
+    entry: &'static str,
+    threads: u32,
+    count: (u32, u32, u32),
+    buffers: Vec<Binding>,
+    scalars: &[u32],
+) {
+    let mut h = DefaultHasher::new();
+    source.hash(&mut h);
+    entry.hash(&mut h);
+    let cube_dim = CubeDim::new_1d(threads);
+    let settings = KernelSettings::default().cube_dim(cube_dim);
+    let frame = source_frame::SourceFrame::<CudaRuntime>::new(
+        settings,
+        client.clone(),
+        ArrayCompilationArg { inplace: None },
+    );
+    let task = SourceTask {
+        source,
+        entry,
+        hash: h.finish(),
+        cube_dim,
+        frame: KernelTask::new(frame),
+    };
+    let data: Vec<u64> = scalars
+        .chunks(2)
+        .map(|p| p[0] as u64 | (p.get(1).copied().unwrap_or(0) as u64) << 32)
+        .collect();
+    let mut args = KernelArguments::new();
+    args.buffers = buffers;
+    // All of it is the scalar block, passed by value (see the module documentation).
+    let words = data.len();
+    args.info = MetadataBindingInfo::custom(data);
+    args.info.dynamic_metadata_offset = words;
+    let count = CubeCount::Static(count.0, count.1, count.2);
+    // SAFETY: the caller's contract (buffers in bounds, the argument list as given).
+    unsafe { client.launch_unchecked(Box::new(task), count, args) };
+}

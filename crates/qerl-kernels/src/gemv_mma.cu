@@ -1,0 +1,365 @@
+// The decode product for a few tokens on tensor cores: hand-written CUDA (see gemv_mma.rs for
+// why and how it is launched). One launch computes, for one weight or for two or three weights
+// sharing `X` (q/k/v, gate/up: "segments"),
+//
+//     Y[M, N] = X[M, K] * deq(W)^T (+ bias) (+ s*T*B^T),     M <= 8 * M_TILES,
+//
+// with the weight as the `A` operand of `mma.m16n8k16` (16 weight rows) and the tokens as `B`
+// (8 a tile; at batch 1 seven of the eight columns are idle, which costs nothing: the product
+// is bound by the decoding, not by the tensor cores). Each warp owns RT tiles of 16 rows and
+// takes every KP-th 128-deep chunk of the reduction; the KP warps of a row group add their sums
+// in shared memory in warp order, so the result does not depend on timing.
+//
+// A lane (g, t) (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of rows g and g + 8 a
+// chunk: physical columns 32t .. 32t + 32, one or two block scales. The reduction order inside
+// the chunk is permuted as in the staged kernel's spread decoding: step s = 2q + hs takes codes
+// (i0, i0 + 4) and (i0 + 1, i0 + 5), i0 = 2hs, of the lane's word q, in the places `mma` calls
+// k = (2t, 2t + 1) and (2t + 8, 2t + 9); the `B` registers take the same columns of `X` (one
+// byte permute each). Codes, scales and `X` of DEPTH chunks are in flight per warp, in
+// registers (the loop is unrolled by DEPTH, so the ring needs no register moves).
+//
+// Decoding: each code's sign and three magnitude bits placed into a bf16 (the value times
+// 2^-126; 2^63 of that is folded into the block scale, the rest onto the f32 sums at the end:
+// powers of two, exact), times the block scale as a bf16 pair: the staged kernel's numbers.
+//
+// The host prepends: WARPS, KP (warps a row group), RT, M_TILES, BLOCK (16 NVFP4, 32 MXFP4),
+// DEPTH, HAS_BIAS, HAS_LORA, SPLIT (f32 partial sums per K-slice, one weight only), SEGMENTS,
+// MIN_CUBES (cubes a multiprocessor must hold: caps the registers).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+
+// Scalars, packed by gemv_mma.rs in this order (u32 then f32).
+struct Info {
+    u32 m_rows, n0, n1, n2, cubes0, cubes1, k_dim, split_chunks, rank;
+    float scale0, scale1, scale2;
+};
+
+#define THREADS (WARPS * 32)
+#define GROUPS (WARPS / KP)
+#define ROWS (16 * RT)
+#define CHUNK 128
+// Accumulators a lane: RT row tiles x M_TILES token tiles x 4.
+#define NACC (RT * M_TILES * 4)
+// Block scales a lane's 32 codes of a row span.
+#define LANE_BLOCKS (32 / BLOCK)
+#define TWO_POW_63 9.223372036854775808e18f
+
+// No header is included: NVRTC compiles this text as it is.
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// 16 bytes of codes, read once: not kept in L1 (`X` and the scales are).
+__device__ __forceinline__ u32x4 load_stream(const u32x4* p) {
+    u32x4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// Codes i and i + 4 of an E2M1 word as a bf16 pair times 2^-126 (staged.rs' spread_bits).
+__device__ __forceinline__ u32 spread_bits(u32 word, int i) {
+    u32 v = word >> (4 * i);
+    return ((v << 6) & 0x01C001C0u) | ((v << 12) & 0x80008000u);
+}
+
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 bf16_of(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// (lo, hi) as a bf16 pair, lo in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// d += A*B for one m16n8k16 tile.
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 word_of(const u32x4& v, int q) {
+    return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+}
+
+// One chunk's loads into one slot of the ring: the lane's 16 bytes of codes and its scale word
+// for each of its rows, and its 4 vectors of `X` for each token tile.
+__device__ __forceinline__ void load_chunk(
+    u32x4 (&w)[RT][2], u32 (&s)[RT][2], u32x4 (&xv)[M_TILES][4],
+    const u32x4* __restrict__ codes, const u32* __restrict__ scale_bytes,
+    const u32x4* __restrict__ x, const u32 (&row_vec)[RT][2], const u32 (&row_word)[RT][2],
+    const u32 (&x_off)[M_TILES], int c) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            w[r][h] = load_stream(codes + row_vec[r][h] + 4 * c);
+            s[r][h] = scale_bytes[row_word[r][h] + c * (CHUNK / BLOCK / 4)];
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xv[mt][q] = x[x_off[mt] + 16 * c + q];
+    }
+}
+
+// The 8 steps of one chunk: decode, scale, `mma` into the accumulators of the step's parity.
+__device__ __forceinline__ void compute_chunk(
+    const u32x4 (&w)[RT][2], const u32 (&s)[RT][2], const u32x4 (&xv)[M_TILES][4],
+    const u32* stab, int s_shift, float* acc) {
+    u32 sc[RT][2][LANE_BLOCKS];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 v = s[r][h] >> s_shift;
+#pragma unroll
+            for (int b = 0; b < LANE_BLOCKS; ++b) sc[r][h][b] = stab[(v >> (8 * b)) & 0xffu];
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int blk = LANE_BLOCKS == 2 ? q / 2 : 0;
+#pragma unroll
+        for (int hs = 0; hs < 2; ++hs) {
+            u32 b0[M_TILES], b1[M_TILES];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                const u32x4 v = xv[mt][q];
+                b0[mt] = hs ? byte_perm(v.y, v.w, 0x5410u) : byte_perm(v.x, v.z, 0x5410u);
+                b1[mt] = hs ? byte_perm(v.y, v.w, 0x7632u) : byte_perm(v.x, v.z, 0x7632u);
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                const u32 wg = word_of(w[r][0], q), wg8 = word_of(w[r][1], q);
+                u32 a[4];
+                a[0] = mul_bf16x2(spread_bits(wg, 2 * hs), sc[r][0][blk]);
+                a[1] = mul_bf16x2(spread_bits(wg8, 2 * hs), sc[r][1][blk]);
+                a[2] = mul_bf16x2(spread_bits(wg, 2 * hs + 1), sc[r][0][blk]);
+                a[3] = mul_bf16x2(spread_bits(wg8, 2 * hs + 1), sc[r][1][blk]);
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+                    mma_16816(acc + hs * NACC + (r * M_TILES + mt) * 4, a, b0[mt], b1[mt]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
+    const u32x4* __restrict__ x,
+    const u32x4* __restrict__ codes0, const u32* __restrict__ scale_bytes0,
+    const float* __restrict__ scale_table0, const u16* __restrict__ bias0,
+    const float* __restrict__ lora_t0, const u32* __restrict__ lora_b0, u16* y0,
+    const u32x4* __restrict__ codes1, const u32* __restrict__ scale_bytes1,
+    const float* __restrict__ scale_table1, const u16* __restrict__ bias1,
+    const float* __restrict__ lora_t1, const u32* __restrict__ lora_b1, u16* y1,
+    const u32x4* __restrict__ codes2, const u32* __restrict__ scale_bytes2,
+    const float* __restrict__ scale_table2, const u16* __restrict__ bias2,
+    const float* __restrict__ lora_t2, const u32* __restrict__ lora_b2, u16* y2,
+    float* part, const Info info) {
+    // Block scales times 2^63 as bf16 pairs (both halves the same).
+    __shared__ u32 stab[256];
+#if KP > 1
+    __shared__ float red[WARPS * NACC * 32];
+#endif
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int group = warp / KP, kpart = warp % KP;
+    const int cube = blockIdx.x;
+
+    // This cube's segment (uniform per cube: every segment's N but the last is a multiple of
+    // the cube's GROUPS * ROWS rows).
+    const u32x4* codes = codes0;
+    const u32* scale_bytes = scale_bytes0;
+    const float* scale_table = scale_table0;
+    const u16* bias = bias0;
+    const float* lora_t = lora_t0;
+    const u32* lora_b = lora_b0;
+    u16* y = y0;
+    int n_cols = info.n0, seg_cube0 = 0;
+    float lora_scale = info.scale0;
+    if (SEGMENTS > 1 && cube >= (int)info.cubes0) {
+        if (SEGMENTS == 2 || cube < (int)info.cubes1) {
+            codes = codes1; scale_bytes = scale_bytes1; scale_table = scale_table1;
+            bias = bias1; lora_t = lora_t1; lora_b = lora_b1; y = y1;
+            n_cols = info.n1; seg_cube0 = info.cubes0; lora_scale = info.scale1;
+        } else {
+            codes = codes2; scale_bytes = scale_bytes2; scale_table = scale_table2;
+            bias = bias2; lora_t = lora_t2; lora_b = lora_b2; y = y2;
+            n_cols = info.n2; seg_cube0 = info.cubes1; lora_scale = info.scale2;
+        }
+    }
+    const int m_rows = info.m_rows, k_dim = info.k_dim, rank = info.rank;
+    const int n0 = ((cube - seg_cube0) * GROUPS + group) * ROWS;
+    const int chunks = k_dim / CHUNK;
+    int c0 = 0, c1 = chunks;
+#if SPLIT
+    c0 = imin(blockIdx.z * (int)info.split_chunks, chunks);
+    c1 = imin(c0 + (int)info.split_chunks, chunks);
+#endif
+
+    // Rows g and g + 8 of each tile (a row past N reads row N - 1; never stored), in 32-bit
+    // offsets at chunk 0: the lane's 16-byte vector, its scale word; tokens past M read the
+    // last token (their outputs are never stored).
+    u32 row_vec[RT][2], row_word[RT][2];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 n = (u32)imin(n0 + 16 * r + 8 * h + g, n_cols - 1);
+            row_vec[r][h] = n * (u32)(k_dim / 32) + t;
+            row_word[r][h] = n * (u32)(k_dim / BLOCK / 4) + (BLOCK == 16 ? (t >> 1) : 0);
+        }
+    }
+    u32 x_off[M_TILES];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+        x_off[mt] = (u32)imin(8 * mt + g, m_rows - 1) * (u32)(k_dim / 8) + 4 * t;
+    // Where the lane's scale bytes sit in its word: blocks 2t, 2t + 1 of the chunk's 8
+    // (NVFP4), block t of 4 (MXFP4).
+    const int s_shift = BLOCK == 16 ? 16 * (t & 1) : 8 * t;
+
+    u32x4 wq[DEPTH][RT][2];
+    u32 sq[DEPTH][RT][2];
+    u32x4 xq[DEPTH][M_TILES][4];
+    const int first = c0 + kpart;
+    // The first loads go out before the scale table is built and synchronised.
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+        const int c = first + d * KP;
+        if (c < c1)
+            load_chunk(wq[d], sq[d], xq[d], codes, scale_bytes, x, row_vec, row_word, x_off, c);
+    }
+    for (int i = tid; i < 256; i += THREADS) {
+        const u32 h = bf16_of(scale_table[i] * TWO_POW_63);
+        stab[i] = h | (h << 16);
+    }
+    __syncthreads();
+
+    float acc[2 * NACC];
+#pragma unroll
+    for (int i = 0; i < 2 * NACC; ++i) acc[i] = 0.0f;
+    for (int cb = first; cb < c1; cb += DEPTH * KP) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+            const int c = cb + d * KP;
+            if (c < c1) {
+                compute_chunk(wq[d], sq[d], xq[d], stab, s_shift, acc);
+                const int cn = c + DEPTH * KP;
+                if (cn < c1)
+                    load_chunk(wq[d], sq[d], xq[d], codes, scale_bytes, x, row_vec, row_word,
+                               x_off, cn);
+            }
+        }
+    }
+
+    // The two parities' sums, with the half of 2^126 the block scales did not carry.
+    float res[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) res[i] = (acc[i] + acc[NACC + i]) * TWO_POW_63;
+
+#if KP > 1
+    // The row group's first warp adds the others' sums, in warp order.
+    if (kpart != 0) {
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) red[(warp * NACC + i) * 32 + lane] = res[i];
+    }
+    __syncthreads();
+    if (kpart != 0) return;
+#pragma unroll
+    for (int j = 1; j < KP; ++j) {
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) res[i] += red[((warp + j) * NACC + i) * 32 + lane];
+    }
+#endif
+
+    // Slice 0 carries the epilogue terms (the slices' sum is the output).
+    const bool epilogue = !SPLIT || blockIdx.z == 0;
+#if HAS_LORA
+    // res += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand.
+    if (epilogue) {
+        for (int rc = 0; rc < (rank + 15) / 16; ++rc) {
+            u32 bt[M_TILES][2];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                const int m = 8 * mt + g;
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int col = rc * 16 + 2 * t + q * 8;
+                    bt[mt][q] = 0u;
+                    if (m < m_rows && col < rank) {
+                        const float* tr = lora_t + (long)m * rank + col;
+                        bt[mt][q] = pack_bf16x2(tr[0] * lora_scale, tr[1] * lora_scale);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                u32 af[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int col = rc * 16 + 2 * t + (q / 2) * 8;
+                    const int n = n0 + 16 * r + (q % 2) * 8 + g;
+                    af[q] = (n < n_cols && col < rank) ? lora_b[((long)n * rank + col) / 2] : 0u;
+                }
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+                    mma_16816(res + (r * M_TILES + mt) * 4, af, bt[mt][0], bt[mt][1]);
+            }
+        }
+    }
+#endif
+
+    // res[(r*M_TILES + mt)*4 + 2h + e]: weight row n0 + 16r + 8h + g, token 8mt + 2t + e.
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = n0 + 16 * r + 8 * h + g;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int m = 8 * mt + 2 * t + e;
+                    if (n < n_cols && m < m_rows) {
+                        float v = res[(r * M_TILES + mt) * 4 + 2 * h + e];
+#if HAS_BIAS
+                        if (epilogue) {
+                            float b;
+                            asm("mov.b32 %0, %1;" : "=f"(b) : "r"(((u32)bias[n]) << 16));
+                            v += b;
+                        }
+#endif
+#if SPLIT
+                        part[((long)blockIdx.z * m_rows + m) * n_cols + n] = v;
+#else
+                        y[(long)m * n_cols + n] = (u16)bf16_of(v);
+#endif
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,477 @@
+//! The decode product for a few tokens (M <= 8) on tensor cores: hand-written CUDA
+//! (`gemv_mma.cu`) launched through [`crate::cuda_source`] (CUDA, bf16, E2M1 weights, `K` a
+//! multiple of 128). Where it applies it replaces [`crate::gemv`]'s kernel inside that module's
+//! launches, with the same outputs (`Y`, or f32 K-slices for the caller to add).
+//!
+//! Why: the CUDA-core decode kernel spends ~4.3 instructions a 4-bit code (shift, mask, a
+//! shared-memory table read, an f32 FMA, and the conversion of `X`), which caps it at ~1.5
+//! TB/s of weights on an H100 or H200 (ncu, docs/benchmarks/rollout.md sessions 16-17) against
+//! 3-4 TB/s of copy bandwidth. On `mma.m16n8k16` two codes take ~4 instructions to decode into a
+//! scaled bf16 pair (the staged kernel's spread decoding) and the tensor cores do the products:
+//! the seven idle token columns of a batch-1 `mma` cost nothing, the instructions saved do.
+//! Each warp keeps [`Plan::depth`] 128-deep chunks of codes, scales and `X` in flight.
+//!
+//! Numbers: the decoded weight is rounded to bf16 (as in the batch kernels), the sums are f32.
+
+use crate::cuda_source;
+use crate::device::DeviceWeight;
+use crate::gemv::Segment;
+use crate::splitk::{self, ReduceEpilogue};
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+use cubecl::server::{Binding, Handle};
+use qerl_format::QuantFormat;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+const SOURCE: &str = include_str!("gemv_mma.cu");
+const ENTRY: &str = "qerl_gemv_mma";
+
+/// Reduction depth of one chunk: 16 bytes of codes a lane and row.
+pub(crate) const CHUNK: usize = 128;
+/// Warps a cube: `8 / kp` row groups of `kp` warps each.
+const WARPS: usize = 8;
+/// Most tokens: one 8-token tile.
+pub(crate) const MAX_M: usize = 8;
+/// Warps a multiprocessor the grid aims for before the reduction is split.
+const WARPS_PER_SM: usize = 32;
+/// Fewest chunks a warp walks in a K-slice.
+const MIN_WARP_CHUNKS: usize = 2;
+
+/// Tuning knobs, read once from the environment (experiments): `QERL_GEMV_MMA=0` turns the
+/// kernel off, `QERL_GEMV_MMA_RT` (1, 2) sets the 16-row tiles a warp, `QERL_GEMV_MMA_DEPTH`
+/// (1 to 4) the chunks in flight, `QERL_GEMV_MMA_CUBES` (1 to 4) the cubes a multiprocessor
+/// must hold (the register cap), `QERL_GEMV_MMA_WARPS_PER_SM` the split target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Knobs {
+    pub enabled: bool,
+    pub rt: usize,
+    pub depth: usize,
+    pub min_cubes: usize,
+    pub warps_per_sm: usize,
+}
+
+impl Knobs {
+    pub(crate) const DEFAULT: Knobs = Knobs {
+        enabled: true,
+        rt: 1,
+        depth: 3,
+        min_cubes: 2,
+        warps_per_sm: WARPS_PER_SM,
+    };
+
+    fn get() -> Knobs {
+        static KNOBS: OnceLock<Knobs> = OnceLock::new();
+        *KNOBS.get_or_init(|| {
+            let num = |k: &str, ok: &dyn Fn(usize) -> bool, d: usize| {
+                std::env::var(k)
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|v| ok(*v))
+                    .unwrap_or(d)
+            };
+            let d = Knobs::DEFAULT;
+            Knobs {
+                enabled: std::env::var("QERL_GEMV_MMA")
+                    .ok()
+                    .is_none_or(|v| v != "0" && v != "off"),
+                rt: num("QERL_GEMV_MMA_RT", &|v| v == 1 || v == 2, d.rt),
+                depth: num("QERL_GEMV_MMA_DEPTH", &|v| (1..=4).contains(&v), d.depth),
+                min_cubes: num(
+                    "QERL_GEMV_MMA_CUBES",
+                    &|v| (1..=4).contains(&v),
+                    d.min_cubes,
+                ),
+                warps_per_sm: num("QERL_GEMV_MMA_WARPS_PER_SM", &|v| v > 0, d.warps_per_sm),
+            }
+        })
+    }
+}
+
+static LAUNCHES: AtomicUsize = AtomicUsize::new(0);
+
+/// Products this kernel has run in this process (tests check that it ran).
+pub fn launches() -> usize {
+    LAUNCHES.load(Ordering::Relaxed)
+}
+
+/// Whether this kernel runs `m` rows of `weight` in `F` here: CUDA with `mma.m16n8k16` for
+/// bf16, at most [`MAX_M`] rows, an E2M1 weight (NVFP4, MXFP4) with `K` a multiple of
+/// [`CHUNK`], an even LoRA rank.
+pub(crate) fn applies<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    weight: &DeviceWeight,
+    lora_rank: Option<usize>,
+) -> bool {
+    Knobs::get().enabled
+        && (1..=MAX_M).contains(&m)
+        && F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked()
+        && weight.format != QuantFormat::Nf4
+        && weight.k.is_multiple_of(CHUNK)
+        && lora_rank.is_none_or(|r| r.is_multiple_of(2))
+        && crate::cublas::cuda_client(client).is_some()
+        && crate::device::has_f32_mma::<R, F>(client, (16, 8, 16), false)
+}
+
+/// Whether [`launch_segments`] takes these products: each applies, all share `K`, format,
+/// epilogue terms and LoRA rank, and every `N` but the last fills whole cubes.
+pub(crate) fn segments_apply<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    segs: &[Segment<'_>],
+) -> bool {
+    let Some(first) = segs.first() else {
+        return false;
+    };
+    let rank = first.lora.map(|l| l.2);
+    let ns: Vec<usize> = segs.iter().map(|s| s.weight.n).collect();
+    let sms = splitk::multiprocessors(client);
+    let plan = Plan::new(&ns, first.weight.k, sms, Knobs::get(), true);
+    (2..=3).contains(&segs.len())
+        && segs.iter().all(|s| {
+            applies::<R, F>(client, m, s.weight, rank)
+                && s.weight.k == first.weight.k
+                && s.weight.format == first.weight.format
+                && s.bias.is_some() == first.bias.is_some()
+                && s.lora.map(|l| l.2) == rank
+        })
+        && ns[..ns.len() - 1]
+            .iter()
+            .all(|n| n.is_multiple_of(plan.width()))
+}
+
+/// A launch's shape: `rt` 16-row tiles a warp, `kp` warps a row group (each every `kp`-th
+/// chunk), `cubes` along x (the segments' in order), `splits` K-slices of `per` chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub rt: usize,
+    pub kp: usize,
+    pub depth: usize,
+    pub min_cubes: usize,
+    pub cubes: usize,
+    pub splits: usize,
+    pub per: usize,
+}
+
+impl Plan {
+    /// For weights of `ns` rows (one launch) and depth `k` on `sms` multiprocessors: the fewest
+    /// warps a row group (1, 2, 4, 8) that give the grid `warps_per_sm` warps a multiprocessor,
+    /// then K-slices (one weight only, never `unsplit`) until it has them.
+    pub(crate) fn new(ns: &[usize], k: usize, sms: usize, knobs: Knobs, unsplit: bool) -> Plan {
+        let rows = 16 * knobs.rt;
+        let groups: usize = ns.iter().map(|n| n.div_ceil(rows)).sum();
+        let target = knobs.warps_per_sm * sms;
+        let mut kp = 1;
+        while kp < WARPS && groups * kp < target {
+            kp *= 2;
+        }
+        let width = rows * (WARPS / kp);
+        let cubes = ns.iter().map(|n| n.div_ceil(width)).sum();
+        let chunks = k / CHUNK;
+        let (splits, per) = if unsplit {
+            (1, chunks)
+        } else {
+            splitk::plan(groups * kp, chunks, target, MIN_WARP_CHUNKS * kp)
+        };
+        Plan {
+            rt: knobs.rt,
+            kp,
+            depth: knobs.depth,
+            min_cubes: knobs.min_cubes,
+            cubes,
+            splits,
+            per,
+        }
+    }
+
+    /// Weight rows a cube covers.
+    pub(crate) fn width(&self) -> usize {
+        16 * self.rt * (WARPS / self.kp)
+    }
+
+    /// The kernel text for this plan and these flags.
+    fn source(&self, block: usize, flags: (bool, bool), segments: usize) -> String {
+        let mut text = cuda_source::defines(&[
+            ("WARPS", WARPS),
+            ("KP", self.kp),
+            ("RT", self.rt),
+            ("M_TILES", 1),
+            ("BLOCK", block),
+            ("DEPTH", self.depth),
+            ("HAS_BIAS", flags.0 as usize),
+            ("HAS_LORA", flags.1 as usize),
+            ("SPLIT", (self.splits > 1) as usize),
+            ("SEGMENTS", segments),
+            ("MIN_CUBES", self.min_cubes),
+        ]);
+        text.push_str(SOURCE);
+        text
+    }
+}
+
+/// One weight's buffers and scalars as the kernel takes them.
+struct SegmentArgs {
+    codes: Handle,
+    scale_bytes: Handle,
+    scale_table: Handle,
+    bias: Handle,
+    lora_t: Handle,
+    lora_b: Handle,
+    y: Handle,
+    n: usize,
+    lora_scale: f32,
+}
+
+impl SegmentArgs {
+    fn new(
+        weight: &DeviceWeight,
+        bias: Option<Handle>,
+        lora: Option<(Handle, Handle, usize, f32)>,
+        y: Handle,
+    ) -> Self {
+        let unused = weight.code_table.clone();
+        let (lora_t, lora_b, _, lora_scale) =
+            lora.unwrap_or_else(|| (unused.clone(), unused.clone(), 0, 0.0));
+        SegmentArgs {
+            codes: weight.codes.clone(),
+            scale_bytes: weight.scale_bytes.clone(),
+            scale_table: weight.scale_table.clone(),
+            bias: bias.unwrap_or(unused),
+            lora_t,
+            lora_b,
+            y,
+            n: weight.n,
+            lora_scale,
+        }
+    }
+}
+
+/// One launch of `plan` over 1 to 3 segments into their `y` (or into `part` when split).
+#[allow(clippy::too_many_arguments)]
+fn run(
+    client: &ComputeClient<CudaRuntime>,
+    x: &Handle,
+    m: usize,
+    k: usize,
+    block: usize,
+    plan: &Plan,
+    segs: &[SegmentArgs],
+    flags: (bool, bool),
+    rank: usize,
+    part: Handle,
+) {
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    let width = plan.width();
+    let seg = |i: usize| &segs[i.min(segs.len() - 1)];
+    let (cubes0, cubes1) = match segs.len() {
+        1 => (u32::MAX, u32::MAX),
+        _ => {
+            let c0 = seg(0).n / width;
+            (c0 as u32, (c0 + seg(1).n / width) as u32)
+        }
+    };
+    let mut buffers: Vec<Binding> = vec![x.clone().binding()];
+    for i in 0..3 {
+        let s = seg(i);
+        for h in [
+            &s.codes,
+            &s.scale_bytes,
+            &s.scale_table,
+            &s.bias,
+            &s.lora_t,
+            &s.lora_b,
+            &s.y,
+        ] {
+            buffers.push(h.clone().binding());
+        }
+    }
+    buffers.push(part.binding());
+    // `Info` of gemv_mma.cu: nine u32, then three f32.
+    let scalars = [
+        m as u32,
+        seg(0).n as u32,
+        seg(1).n as u32,
+        seg(2).n as u32,
+        cubes0,
+        cubes1,
+        k as u32,
+        plan.per as u32,
+        rank as u32,
+        seg(0).lora_scale.to_bits(),
+        seg(1).lora_scale.to_bits(),
+        seg(2).lora_scale.to_bits(),
+    ];
+    // SAFETY: the kernel clamps weight rows to each segment's N, tokens to M and chunks to
+    // K / 128 (K a multiple of 128: `applies`), and bounds its stores by N and M and its LoRA
+    // columns by the rank; the caller checked every buffer's size, `part` holds `splits·M·N`
+    // f32 when split, and the scalars are `Info`'s layout.
+    unsafe {
+        cuda_source::launch(
+            client,
+            plan.source(block, flags, segs.len()),
+            ENTRY,
+            (32 * WARPS) as u32,
+            (plan.cubes as u32, 1, plan.splits as u32),
+            buffers,
+            &scalars,
+        )
+    };
+}
+
+/// [`crate::gemv::launch`] on this kernel (the caller checked buffers and [`applies`]): split
+/// along K, it ends in [`splitk::reduce`] unless `keep_parts`, which returns the partial sums
+/// and their slice count instead, `y` unwritten.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    weight: &DeviceWeight,
+    bias: Option<Handle>,
+    lora: Option<(Handle, Handle, usize, f32)>,
+    y: &Handle,
+    keep_parts: bool,
+) -> Option<(Handle, usize)> {
+    let Some(cuda) = crate::cublas::cuda_client(client) else {
+        unreachable!("gemv_mma::launch on a runtime other than CUDA (see `applies`)");
+    };
+    let (n, k) = (weight.n, weight.k);
+    let sms = splitk::multiprocessors(client);
+    let plan = Plan::new(&[n], k, sms, Knobs::get(), false);
+    let flags = (bias.is_some(), lora.is_some());
+    let rank = lora.as_ref().map_or(0, |l| l.2);
+    let seg = SegmentArgs::new(weight, bias, lora, y.clone());
+    if plan.splits == 1 {
+        let part = weight.code_table.clone();
+        run(
+            cuda,
+            x,
+            m,
+            k,
+            weight.block(),
+            &plan,
+            &[seg],
+            flags,
+            rank,
+            part,
+        );
+        return None;
+    }
+    let part = splitk::workspace(client, plan.splits, m, n);
+    run(
+        cuda,
+        x,
+        m,
+        k,
+        weight.block(),
+        &plan,
+        &[seg],
+        flags,
+        rank,
+        part.clone(),
+    );
+    if keep_parts {
+        return Some((part, plan.splits));
+    }
+    let epilogue = ReduceEpilogue {
+        bias: None,
+        lora: None,
+    };
+    splitk::reduce::<R, F, F>(client, part, plan.splits, m, n, epilogue, y);
+    None
+}
+
+/// [`crate::gemv::launch_segments`] on this kernel, one unsplit launch (the caller checked
+/// buffers and [`segments_apply`]).
+pub(crate) fn launch_segments<R: Runtime>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    segs: &[Segment<'_>],
+) {
+    let Some(cuda) = crate::cublas::cuda_client(client) else {
+        unreachable!("gemv_mma::launch_segments on a runtime other than CUDA");
+    };
+    let first = segs[0].weight;
+    let ns: Vec<usize> = segs.iter().map(|s| s.weight.n).collect();
+    let plan = Plan::new(
+        &ns,
+        first.k,
+        splitk::multiprocessors(client),
+        Knobs::get(),
+        true,
+    );
+    let flags = (segs[0].bias.is_some(), segs[0].lora.is_some());
+    let rank = segs[0].lora.map_or(0, |l| l.2);
+    let args: Vec<SegmentArgs> = segs
+        .iter()
+        .map(|s| {
+            let lora = s.lora.map(|(t, b, r, sc)| (t.clone(), b.clone(), r, sc));
+            SegmentArgs::new(s.weight, s.bias.cloned(), lora, s.y.clone())
+        })
+        .collect();
+    let part = first.code_table.clone();
+    run(
+        cuda,
+        x,
+        m,
+        first.k,
+        first.block(),
+        &plan,
+        &args,
+        flags,
+        rank,
+        part,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 7B shapes at batch 1 on 132 multiprocessors: gate/up fills the device with two warps a
+    /// row group; the narrow products take eight, and down (deep K) adds K-slices.
+    #[test]
+    fn plans_fill_the_device() {
+        let k = Knobs::DEFAULT;
+        let gate_up = Plan::new(&[18944, 18944], 3584, 132, k, true);
+        assert_eq!((gate_up.kp, gate_up.splits, gate_up.width()), (2, 1, 64));
+        assert_eq!(gate_up.cubes, 2 * 18944 / 64);
+        let qkv = Plan::new(&[3584, 512, 512], 3584, 132, k, true);
+        assert_eq!((qkv.kp, qkv.splits, qkv.width()), (8, 1, 16));
+        let down = Plan::new(&[3584], 18944, 132, k, false);
+        assert_eq!((down.kp, down.splits), (8, 3));
+        assert!(down.per * down.splits >= 18944 / CHUNK);
+        let o = Plan::new(&[3584], 3584, 132, k, false);
+        assert_eq!((o.kp, o.splits), (8, 1));
+        let rt2 = Plan::new(&[18944], 3584, 132, Knobs { rt: 2, ..k }, true);
+        assert_eq!(rt2.width() % 32, 0);
+    }
+
+    /// The text carries every `#define` the kernel reads, and is ASCII (NVRTC takes it as is).
+    #[test]
+    fn source_defines_the_configuration() {
+        let p = Plan::new(&[4096], 4096, 132, Knobs::DEFAULT, false);
+        let s = p.source(16, (true, false), 1);
+        for d in [
+            "WARPS 8",
+            "RT 1",
+            "M_TILES 1",
+            "BLOCK 16",
+            "DEPTH 3",
+            "HAS_BIAS 1",
+            "HAS_LORA 0",
+            "SEGMENTS 1",
+            "MIN_CUBES 2",
+        ] {
+            assert!(s.contains(&format!("#define {d}\n")), "{d}");
+        }
+        assert!(s.contains(&format!("#define KP {}\n", p.kp)));
+        assert!(s.contains(&format!("#define SPLIT {}\n", (p.splits > 1) as usize)));
+        assert!(s.is_ascii());
+        assert!(s.contains(
+            "extern \"C\" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma("
+        ));
+    }
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call for the decode product on tensor cores (crates/qerl-kernels/src/gemv_mma.
+# {rs,cu}, session 24): its CUDA tests against the host f64 reference first (the new test, then
+# the decode kernel's own tests, which it now serves where K is a multiple of 128); then, only if
+# they passed, the rollout benchmark at batch 1 with it (default) and without it
+# (QERL_GEMV_MMA=0: the CUDA-core decode kernel) alternating in one binary (VARIANTS), then
+# (PROFILE=1) one decode step's GPU time by kernel (ncu) under each.
+# Carry .device/qerl.tar.gz (the release `qerl`, --features cuda) and .device/kernels.xz (the
+# kernel test binary, `cargo test --release -p qerl-kernels --features cuda --test kernels
+# --no-run`, stripped, xz).
+# Env: TESTS (1), TEST_FILTERS, VARIANTS (device_mma_check.sh's), PROFILE (0), PROFILE_SPEC,
+#   SECTIONS (0: ncu's stall sections of one layer's launches of the new kernel at batch 1).
+# Everything the call prints is also in $OUT/log.txt; the rest is packed into $OUT/results.tgz.
+# There: bash tools/device_gemv_mma.sh
+set -uo pipefail
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source tools/device_cache.sh
+exec > >(tee "$OUT/log.txt") 2>&1
+if [ "${TESTS:-1}" = 1 ]; then
+  xz -dkf .device/kernels.xz && chmod +x .device/kernels
+  export QERL_GEMV_MMA_EXPECT=1
+  for f in ${TEST_FILTERS:-cuda_bf16::matmul_decode_mma cuda_bf16::matmul_decode_split_k cuda_bf16::matmul_decode_segments}; do
+    start=$SECONDS
+    echo "== $f"
+    timeout -k 10 ${TEST_T:-200} .device/kernels --ignored --test-threads=1 --nocapture "$f" \
+      > "$OUT/test.txt" 2>&1
+    grep -E "^test |test result|panicked|decode mma kernel|error|Error|seed" "$OUT/test.txt" | head -20
+    echo "$f: $((SECONDS - start)) s"
+    if ! grep -q "test result: ok" "$OUT/test.txt"; then
+      grep -iE -A12 "compilation error|\[Compilation" "$OUT/test.txt" | head -60
+      tail -5 "$OUT/test.txt"
+      echo "== the decode mma kernel fails its tests: no timing"
+      exit 0
+    fi
+  done
+  unset QERL_GEMV_MMA_EXPECT
+fi
+off=QERL_GEMV_MMA=0
+TESTS=0 TAIL=${TAIL:-6} ROLLOUT_T=${ROLLOUT_T:-100} QERL_TAR=.device/qerl.tar.gz \
+  VARIANTS=${VARIANTS:-"new:CHECK=1,B=1 old:$off,B=1 new2:B=1 old2:$off,B=1 s32:S=qwen2.5-32b,B=1 o32:$off,S=qwen2.5-32b,B=1"} \
+  bash tools/device_mma_check.sh
+if [ "${PROFILE:-0}" = 1 ]; then
+  # shellcheck disable=SC2086
+  TOP=${TOP:-16} bash tools/device_step_profile.sh ${PROFILE_SPEC:-"old:$off@1" "new:@1"}
+fi
+if [ "${SECTIONS:-0}" = 1 ]; then
+  start=$SECONDS
+  [ -x /tmp/qerl ] || tar -xzf .device/qerl.tar.gz -C /tmp
+  timeout -k 10 ${NCU_T:-150} ncu --clock-control none --kernel-name qerl_gemv_mma \
+    --launch-skip ${SECTIONS_SKIP:-300} --launch-count 4 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    /tmp/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 --batch 1 --prompt 256 \
+    --new-tokens 16 --no-check > "$OUT/ncu-sections.txt" 2>&1
+  echo "== decode mma launches, ncu sections: $((SECONDS - start)) s"
+  grep -E "^  qerl_gemv|Grid Size|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Waves Per SM|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Memory Throughput|DRAM Throughput|L1/TEX Hit|Compute \(SM\)|Local Memory|Stall|stall|OPT" \
+    "$OUT/ncu-sections.txt" | sed 's/  */ /g' | head -${SECTIONS_LINES:-90}
+fi
+cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude log.txt ./* && rm -f ./*.csv ./*.jsonl ./ncu-*.txt ./test.txt
