@@ -8,8 +8,11 @@
 # Carry .device/qerl.tar.gz (the release `qerl`, --features cuda) and .device/kernels.xz (the
 # kernel test binary, `cargo test --release -p qerl-kernels --features cuda --test kernels
 # --no-run`, stripped, xz).
-# Env: TESTS (1), TEST_FILTERS, VARIANTS (device_mma_check.sh's), PROFILE (0), PROFILE_SPEC,
-#   SECTIONS (0: ncu's stall sections of one layer's launches of the new kernel at batch 1).
+# Env: TESTS (1), TEST_FILTERS, VARIANTS (device_mma_check.sh's), PROFILE (0), PROFILE_SPEC
+#   (batch 1: SKIP 13000, COUNT 1200, NEW 64), SECTIONS (0: ncu's stall sections of one layer's
+#   launches of the new kernel at batch 1), SASS (0: each .device/sass/*.cu, the kernel text as
+#   the host generates it, compiled by nvcc for sm_90a: registers, spills, and its SASS
+#   instruction mix, the whole SASS in results.tgz).
 # Everything the call prints is also in $OUT/log.txt; the rest is packed into $OUT/results.tgz.
 # There: bash tools/device_gemv_mma.sh
 set -uo pipefail
@@ -42,7 +45,27 @@ TESTS=0 TAIL=${TAIL:-6} ROLLOUT_T=${ROLLOUT_T:-100} QERL_TAR=.device/qerl.tar.gz
   bash tools/device_mma_check.sh
 if [ "${PROFILE:-0}" = 1 ]; then
   # shellcheck disable=SC2086
-  TOP=${TOP:-16} bash tools/device_step_profile.sh ${PROFILE_SPEC:-"old:$off@1" "new:@1"}
+  SKIP=${SKIP:-13000} COUNT=${COUNT:-1200} NEW=${NEW:-64} TOP=${TOP:-16} \
+    bash tools/device_step_profile.sh ${PROFILE_SPEC:-"old:$off@1" "new:@1"}
+fi
+if [ "${SASS:-0}" = 1 ]; then
+  PATH=$PATH:/usr/local/cuda/bin
+  for f in .device/sass/*.cu; do
+    b=$(basename "$f" .cu)
+    echo "== SASS $b"
+    nvcc -arch=sm_90a -cubin -Xptxas -v -o "/tmp/$b.cubin" "$f" 2>&1 | grep -E "registers|spill|error" | head -5
+    cuobjdump -sass "/tmp/$b.cubin" > "$OUT/$b.sass" 2>&1
+    python3 - "$OUT/$b.sass" <<'PY'
+import collections, re, sys
+ops = collections.Counter()
+for line in open(sys.argv[1]):
+    m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+    if m:
+        ops[m.group(2)] += 1
+print(sum(ops.values()), "instructions:", " ".join(f"{k} {v}" for k, v in ops.most_common(18)))
+PY
+    echo
+  done
 fi
 if [ "${SECTIONS:-0}" = 1 ]; then
   start=$SECONDS

@@ -14,9 +14,12 @@
 // chunk: physical columns 32t .. 32t + 32, one or two block scales. The reduction order inside
 // the chunk is permuted as in the staged kernel's spread decoding: step s = 2q + hs takes codes
 // (i0, i0 + 4) and (i0 + 1, i0 + 5), i0 = 2hs, of the lane's word q, in the places `mma` calls
-// k = (2t, 2t + 1) and (2t + 8, 2t + 9); the `B` registers take the same columns of `X` (one
-// byte permute each). Codes, scales and `X` of DEPTH chunks are in flight per warp, in
-// registers (the loop is unrolled by DEPTH, so the ring needs no register moves).
+// k = (2t, 2t + 1) and (2t + 8, 2t + 9); the `B` registers take the same columns of `X`.
+// Codes and scales of DEPTH chunks are in flight per warp, in registers (the loop is unrolled by
+// DEPTH, so the ring needs no register moves). `X` of the cube's K-slice is copied once into
+// shared memory in that order, each lane's four `B` registers of a word in one 16-byte entry
+// (entry (cl*4 + q)*4 + t of a token: the four lanes of a quad read 64 contiguous bytes, and at
+// batch 1 the eight quads read the same ones).
 //
 // Decoding: each code's sign and three magnitude bits placed into a bf16 (the value times
 // 2^-126; 2^63 of that is folded into the block scale, the rest onto the f32 sums at the end:
@@ -24,7 +27,8 @@
 //
 // The host prepends: WARPS, KP (warps a row group), RT, M_TILES, BLOCK (16 NVFP4, 32 MXFP4),
 // DEPTH, HAS_BIAS, HAS_LORA, SPLIT (f32 partial sums per K-slice, one weight only), SEGMENTS,
-// MIN_CUBES (cubes a multiprocessor must hold: caps the registers).
+// MIN_CUBES (cubes a multiprocessor must hold: caps the registers), XS_TOKENS and XS_CHUNKS
+// (the tokens and 128-deep chunks the shared copy of `X` holds: M and the slice's chunks).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -45,6 +49,9 @@ struct Info {
 // Block scales a lane's 32 codes of a row span.
 #define LANE_BLOCKS (32 / BLOCK)
 #define TWO_POW_63 9.223372036854775808e18f
+// u32 words of one token's `X` in shared memory (16 pad words keep two tokens' entries off
+// each other's banks).
+#define XS_TOKEN_WORDS (XS_CHUNKS * 64 + 16)
 
 // No header is included: NVRTC compiles this text as it is.
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
@@ -103,12 +110,11 @@ __device__ __forceinline__ u32 word_of(const u32x4& v, int q) {
 }
 
 // One chunk's loads into one slot of the ring: the lane's 16 bytes of codes and its scale word
-// for each of its rows, and its 4 vectors of `X` for each token tile.
+// for each of its rows.
 __device__ __forceinline__ void load_chunk(
-    u32x4 (&w)[RT][2], u32 (&s)[RT][2], u32x4 (&xv)[M_TILES][4],
-    const u32x4* __restrict__ codes, const u32* __restrict__ scale_bytes,
-    const u32x4* __restrict__ x, const u32 (&row_vec)[RT][2], const u32 (&row_word)[RT][2],
-    const u32 (&x_off)[M_TILES], int c) {
+    u32x4 (&w)[RT][2], u32 (&s)[RT][2], const u32x4* __restrict__ codes,
+    const u32* __restrict__ scale_bytes, const u32 (&row_vec)[RT][2],
+    const u32 (&row_word)[RT][2], int c) {
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
 #pragma unroll
@@ -117,16 +123,22 @@ __device__ __forceinline__ void load_chunk(
             s[r][h] = scale_bytes[row_word[r][h] + c * (CHUNK / BLOCK / 4)];
         }
     }
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) xv[mt][q] = x[x_off[mt] + 16 * c + q];
-    }
+}
+
+// A word's four spread pairs (codes i and i + 4, i = 0..3) as bf16 pairs times 2^-126: seven
+// shifts and eight masks for the eight codes.
+__device__ __forceinline__ void spread_word(u32 w, u32 (&p)[4]) {
+    p[0] = ((w << 6) & 0x01C001C0u) | ((w << 12) & 0x80008000u);
+    p[1] = ((w << 2) & 0x01C001C0u) | ((w << 8) & 0x80008000u);
+    p[2] = ((w >> 2) & 0x01C001C0u) | ((w << 4) & 0x80008000u);
+    p[3] = ((w >> 6) & 0x01C001C0u) | (w & 0x80008000u);
 }
 
 // The 8 steps of one chunk: decode, scale, `mma` into the accumulators of the step's parity.
+// `xs[mt]` points at the lane's entries of chunk 0 for its token of tile mt, `cl` is the chunk
+// within the cube's slice.
 __device__ __forceinline__ void compute_chunk(
-    const u32x4 (&w)[RT][2], const u32 (&s)[RT][2], const u32x4 (&xv)[M_TILES][4],
+    const u32x4 (&w)[RT][2], const u32 (&s)[RT][2], const u32* const (&xs)[M_TILES], int cl,
     const u32* stab, int s_shift, float* acc) {
     u32 sc[RT][2][LANE_BLOCKS];
 #pragma unroll
@@ -141,26 +153,27 @@ __device__ __forceinline__ void compute_chunk(
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         const int blk = LANE_BLOCKS == 2 ? q / 2 : 0;
+        // The lane's B registers of steps 2q and 2q + 1, for each token tile.
+        u32x4 b[M_TILES];
 #pragma unroll
-        for (int hs = 0; hs < 2; ++hs) {
-            u32 b0[M_TILES], b1[M_TILES];
+        for (int mt = 0; mt < M_TILES; ++mt)
+            b[mt] = *(const u32x4*)(xs[mt] + (cl * 4 + q) * 16);
 #pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-                const u32x4 v = xv[mt][q];
-                b0[mt] = hs ? byte_perm(v.y, v.w, 0x5410u) : byte_perm(v.x, v.z, 0x5410u);
-                b1[mt] = hs ? byte_perm(v.y, v.w, 0x7632u) : byte_perm(v.x, v.z, 0x7632u);
-            }
+        for (int r = 0; r < RT; ++r) {
+            u32 pg[4], pg8[4];
+            spread_word(word_of(w[r][0], q), pg);
+            spread_word(word_of(w[r][1], q), pg8);
 #pragma unroll
-            for (int r = 0; r < RT; ++r) {
-                const u32 wg = word_of(w[r][0], q), wg8 = word_of(w[r][1], q);
+            for (int hs = 0; hs < 2; ++hs) {
                 u32 a[4];
-                a[0] = mul_bf16x2(spread_bits(wg, 2 * hs), sc[r][0][blk]);
-                a[1] = mul_bf16x2(spread_bits(wg8, 2 * hs), sc[r][1][blk]);
-                a[2] = mul_bf16x2(spread_bits(wg, 2 * hs + 1), sc[r][0][blk]);
-                a[3] = mul_bf16x2(spread_bits(wg8, 2 * hs + 1), sc[r][1][blk]);
+                a[0] = mul_bf16x2(pg[2 * hs], sc[r][0][blk]);
+                a[1] = mul_bf16x2(pg8[2 * hs], sc[r][1][blk]);
+                a[2] = mul_bf16x2(pg[2 * hs + 1], sc[r][0][blk]);
+                a[3] = mul_bf16x2(pg8[2 * hs + 1], sc[r][1][blk]);
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
-                    mma_16816(acc + hs * NACC + (r * M_TILES + mt) * 4, a, b0[mt], b1[mt]);
+                    mma_16816(acc + hs * NACC + (r * M_TILES + mt) * 4, a,
+                              hs ? b[mt].z : b[mt].x, hs ? b[mt].w : b[mt].y);
             }
         }
     }
@@ -180,6 +193,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     float* part, const Info info) {
     // Block scales times 2^63 as bf16 pairs (both halves the same).
     __shared__ u32 stab[256];
+    // `X` of the cube's slice in fragment order (see the top of this file).
+    __shared__ __align__(16) u32 xs[XS_TOKENS * XS_TOKEN_WORDS];
 #if KP > 1
     __shared__ float red[WARPS * NACC * 32];
 #endif
@@ -221,8 +236,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
 #endif
 
     // Rows g and g + 8 of each tile (a row past N reads row N - 1; never stored), in 32-bit
-    // offsets at chunk 0: the lane's 16-byte vector, its scale word; tokens past M read the
-    // last token (their outputs are never stored).
+    // offsets at chunk 0: the lane's 16-byte vector, its scale word.
     u32 row_vec[RT][2], row_word[RT][2];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
@@ -233,30 +247,48 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
             row_word[r][h] = n * (u32)(k_dim / BLOCK / 4) + (BLOCK == 16 ? (t >> 1) : 0);
         }
     }
-    u32 x_off[M_TILES];
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-        x_off[mt] = (u32)imin(8 * mt + g, m_rows - 1) * (u32)(k_dim / 8) + 4 * t;
     // Where the lane's scale bytes sit in its word: blocks 2t, 2t + 1 of the chunk's 8
     // (NVFP4), block t of 4 (MXFP4).
     const int s_shift = BLOCK == 16 ? 16 * (t & 1) : 8 * t;
 
     u32x4 wq[DEPTH][RT][2];
     u32 sq[DEPTH][RT][2];
-    u32x4 xq[DEPTH][M_TILES][4];
     const int first = c0 + kpart;
-    // The first loads go out before the scale table is built and synchronised.
+    // The first loads go out before `X` is copied and the scale table is built.
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
         const int c = first + d * KP;
-        if (c < c1)
-            load_chunk(wq[d], sq[d], xq[d], codes, scale_bytes, x, row_vec, row_word, x_off, c);
+        if (c < c1) load_chunk(wq[d], sq[d], codes, scale_bytes, row_vec, row_word, c);
+    }
+    // The copy of `X`: item i is 16 bytes (8 values) of a token, so consecutive items are
+    // consecutive in memory; its four B registers (pairs (x0, x4), (x1, x5), (x2, x6), (x3,
+    // x7)) go to entry (cl*4 + q)*4 + t.
+    {
+        const int slice = c1 - c0;
+        const int items = m_rows * slice * 16;
+        for (int i = tid; i < items; i += THREADS) {
+            const int tok = i / (slice * 16), rem = i - tok * slice * 16;
+            const int cl = rem >> 4, j = rem & 15, tt = j >> 2, q = j & 3;
+            const u32x4 v = x[tok * (k_dim / 8) + (c0 + cl) * 16 + j];
+            u32x4 e;
+            e.x = byte_perm(v.x, v.z, 0x5410u);
+            e.y = byte_perm(v.x, v.z, 0x7632u);
+            e.z = byte_perm(v.y, v.w, 0x5410u);
+            e.w = byte_perm(v.y, v.w, 0x7632u);
+            *(u32x4*)(xs + tok * XS_TOKEN_WORDS + ((cl * 4 + q) * 4 + tt) * 4) = e;
+        }
     }
     for (int i = tid; i < 256; i += THREADS) {
         const u32 h = bf16_of(scale_table[i] * TWO_POW_63);
         stab[i] = h | (h << 16);
     }
     __syncthreads();
+    // This lane's entries: token 8mt + g of each tile (tokens past M read the last one; never
+    // stored), quad t.
+    const u32* xs_lane[M_TILES];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+        xs_lane[mt] = xs + imin(8 * mt + g, m_rows - 1) * XS_TOKEN_WORDS + t * 4;
 
     float acc[2 * NACC];
 #pragma unroll
@@ -266,11 +298,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
         for (int d = 0; d < DEPTH; ++d) {
             const int c = cb + d * KP;
             if (c < c1) {
-                compute_chunk(wq[d], sq[d], xq[d], stab, s_shift, acc);
+                compute_chunk(wq[d], sq[d], xs_lane, c - c0, stab, s_shift, acc);
                 const int cn = c + DEPTH * KP;
-                if (cn < c1)
-                    load_chunk(wq[d], sq[d], xq[d], codes, scale_bytes, x, row_vec, row_word,
-                               x_off, cn);
+                if (cn < c1) load_chunk(wq[d], sq[d], codes, scale_bytes, row_vec, row_word, cn);
             }
         }
     }

@@ -9,7 +9,8 @@
 //! 3-4 TB/s of copy bandwidth. On `mma.m16n8k16` two codes take ~4 instructions to decode into a
 //! scaled bf16 pair (the staged kernel's spread decoding) and the tensor cores do the products:
 //! the seven idle token columns of a batch-1 `mma` cost nothing, the instructions saved do.
-//! Each warp keeps [`Plan::depth`] 128-deep chunks of codes, scales and `X` in flight.
+//! Each warp keeps [`Plan::depth`] 128-deep chunks of codes and scales in flight; `X` of the
+//! cube's K-slice is copied once into shared memory in fragment order.
 //!
 //! Numbers: the decoded weight is rounded to bf16 (as in the batch kernels), the sums are f32.
 
@@ -37,6 +38,15 @@ pub(crate) const MAX_M: usize = 8;
 const WARPS_PER_SM: usize = 32;
 /// Fewest chunks a warp walks in a K-slice.
 const MIN_WARP_CHUNKS: usize = 2;
+/// u32 words of shared memory the copy of `X` may take (42 KiB: with the scale table and the
+/// warps' sums a cube stays under the 48 KiB of static shared memory).
+const XS_WORDS: usize = 10_752;
+
+/// Most chunks of a K-slice whose `X` fits the shared copy at `m` tokens (its layout:
+/// `m · (64 · chunks + 16)` words).
+fn max_slice_chunks(m: usize) -> usize {
+    (XS_WORDS / m.max(1)).saturating_sub(16) / 64
+}
 
 /// Tuning knobs, read once from the environment (experiments): `QERL_GEMV_MMA=0` turns the
 /// kernel off, `QERL_GEMV_MMA_RT` (1, 2) sets the 16-row tiles a warp, `QERL_GEMV_MMA_DEPTH`
@@ -56,7 +66,7 @@ impl Knobs {
         enabled: true,
         rt: 1,
         depth: 3,
-        min_cubes: 2,
+        min_cubes: 3,
         warps_per_sm: WARPS_PER_SM,
     };
 
@@ -127,7 +137,9 @@ pub(crate) fn segments_apply<R: Runtime, F: Float>(
     let rank = first.lora.map(|l| l.2);
     let ns: Vec<usize> = segs.iter().map(|s| s.weight.n).collect();
     let sms = splitk::multiprocessors(client);
-    let plan = Plan::new(&ns, first.weight.k, sms, Knobs::get(), true);
+    let Some(plan) = Plan::new(&ns, m, first.weight.k, sms, Knobs::get(), true) else {
+        return false;
+    };
     (2..=3).contains(&segs.len())
         && segs.iter().all(|s| {
             applies::<R, F>(client, m, s.weight, rank)
@@ -145,6 +157,7 @@ pub(crate) fn segments_apply<R: Runtime, F: Float>(
 /// chunk), `cubes` along x (the segments' in order), `splits` K-slices of `per` chunks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Plan {
+    pub m: usize,
     pub rt: usize,
     pub kp: usize,
     pub depth: usize,
@@ -155,10 +168,19 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
-    /// For weights of `ns` rows (one launch) and depth `k` on `sms` multiprocessors: the fewest
-    /// warps a row group (1, 2, 4, 8) that give the grid `warps_per_sm` warps a multiprocessor,
-    /// then K-slices (one weight only, never `unsplit`) until it has them.
-    pub(crate) fn new(ns: &[usize], k: usize, sms: usize, knobs: Knobs, unsplit: bool) -> Plan {
+    /// For weights of `ns` rows (one launch), `m` tokens and depth `k` on `sms`
+    /// multiprocessors: the fewest warps a row group (1, 2, 4, 8) that give the grid
+    /// `warps_per_sm` warps a multiprocessor, then K-slices (one weight only, never `unsplit`)
+    /// until it has them and each slice's `X` fits the shared copy. `None`: `unsplit` and `X`
+    /// does not fit.
+    pub(crate) fn new(
+        ns: &[usize],
+        m: usize,
+        k: usize,
+        sms: usize,
+        knobs: Knobs,
+        unsplit: bool,
+    ) -> Option<Plan> {
         let rows = 16 * knobs.rt;
         let groups: usize = ns.iter().map(|n| n.div_ceil(rows)).sum();
         let target = knobs.warps_per_sm * sms;
@@ -169,12 +191,21 @@ impl Plan {
         let width = rows * (WARPS / kp);
         let cubes = ns.iter().map(|n| n.div_ceil(width)).sum();
         let chunks = k / CHUNK;
-        let (splits, per) = if unsplit {
+        let most = max_slice_chunks(m);
+        let (mut splits, mut per) = if unsplit {
             (1, chunks)
         } else {
             splitk::plan(groups * kp, chunks, target, MIN_WARP_CHUNKS * kp)
         };
-        Plan {
+        if per > most {
+            if unsplit || most == 0 {
+                return None;
+            }
+            per = chunks.div_ceil(chunks.div_ceil(most));
+            splits = chunks.div_ceil(per);
+        }
+        Some(Plan {
+            m,
             rt: knobs.rt,
             kp,
             depth: knobs.depth,
@@ -182,7 +213,7 @@ impl Plan {
             cubes,
             splits,
             per,
-        }
+        })
     }
 
     /// Weight rows a cube covers.
@@ -204,6 +235,8 @@ impl Plan {
             ("SPLIT", (self.splits > 1) as usize),
             ("SEGMENTS", segments),
             ("MIN_CUBES", self.min_cubes),
+            ("XS_TOKENS", self.m),
+            ("XS_CHUNKS", self.per),
         ]);
         text.push_str(SOURCE);
         text
@@ -338,7 +371,9 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     };
     let (n, k) = (weight.n, weight.k);
     let sms = splitk::multiprocessors(client);
-    let plan = Plan::new(&[n], k, sms, Knobs::get(), false);
+    let Some(plan) = Plan::new(&[n], m, k, sms, Knobs::get(), false) else {
+        unreachable!("a split plan always fits the shared copy of X at M <= {MAX_M}");
+    };
     let flags = (bias.is_some(), lora.is_some());
     let rank = lora.as_ref().map_or(0, |l| l.2);
     let seg = SegmentArgs::new(weight, bias, lora, y.clone());
@@ -395,13 +430,10 @@ pub(crate) fn launch_segments<R: Runtime>(
     };
     let first = segs[0].weight;
     let ns: Vec<usize> = segs.iter().map(|s| s.weight.n).collect();
-    let plan = Plan::new(
-        &ns,
-        first.k,
-        splitk::multiprocessors(client),
-        Knobs::get(),
-        true,
-    );
+    let sms = splitk::multiprocessors(client);
+    let Some(plan) = Plan::new(&ns, m, first.k, sms, Knobs::get(), true) else {
+        unreachable!("gemv_mma::launch_segments without segments_apply");
+    };
     let flags = (segs[0].bias.is_some(), segs[0].lora.is_some());
     let rank = segs[0].lora.map_or(0, |l| l.2);
     let args: Vec<SegmentArgs> = segs
@@ -435,24 +467,39 @@ mod tests {
     #[test]
     fn plans_fill_the_device() {
         let k = Knobs::DEFAULT;
-        let gate_up = Plan::new(&[18944, 18944], 3584, 132, k, true);
+        let plan = |ns: &[usize], m, kd, unsplit| Plan::new(ns, m, kd, 132, k, unsplit).unwrap();
+        let gate_up = plan(&[18944, 18944], 1, 3584, true);
         assert_eq!((gate_up.kp, gate_up.splits, gate_up.width()), (2, 1, 64));
         assert_eq!(gate_up.cubes, 2 * 18944 / 64);
-        let qkv = Plan::new(&[3584, 512, 512], 3584, 132, k, true);
+        let qkv = plan(&[3584, 512, 512], 1, 3584, true);
         assert_eq!((qkv.kp, qkv.splits, qkv.width()), (8, 1, 16));
-        let down = Plan::new(&[3584], 18944, 132, k, false);
+        let down = plan(&[3584], 1, 18944, false);
         assert_eq!((down.kp, down.splits), (8, 3));
         assert!(down.per * down.splits >= 18944 / CHUNK);
-        let o = Plan::new(&[3584], 3584, 132, k, false);
+        let o = plan(&[3584], 1, 3584, false);
         assert_eq!((o.kp, o.splits), (8, 1));
-        let rt2 = Plan::new(&[18944], 3584, 132, Knobs { rt: 2, ..k }, true);
+        let rt2 = Plan::new(&[18944], 1, 3584, 132, Knobs { rt: 2, ..k }, true).unwrap();
         assert_eq!(rt2.width() % 32, 0);
+    }
+
+    /// The shared copy of `X` bounds a slice: at 8 tokens a deep K is split further, and an
+    /// unsplit launch that does not fit is refused.
+    #[test]
+    fn slices_fit_the_shared_copy_of_x() {
+        let k = Knobs::DEFAULT;
+        assert_eq!(max_slice_chunks(1), 167);
+        let p = Plan::new(&[4096], 8, 8192, 132, k, false).unwrap();
+        assert!(p.per <= max_slice_chunks(8) && p.per * p.splits >= 64);
+        assert!(8 * (64 * p.per + 16) <= XS_WORDS);
+        assert!(Plan::new(&[3584, 512], 8, 3584, 132, k, true).is_none());
+        let down32 = Plan::new(&[5120], 1, 27648, 132, k, false).unwrap();
+        assert!(down32.per <= 167 && down32.splits >= 2);
     }
 
     /// The text carries every `#define` the kernel reads, and is ASCII (NVRTC takes it as is).
     #[test]
     fn source_defines_the_configuration() {
-        let p = Plan::new(&[4096], 4096, 132, Knobs::DEFAULT, false);
+        let p = Plan::new(&[4096], 1, 4096, 132, Knobs::DEFAULT, false).unwrap();
         let s = p.source(16, (true, false), 1);
         for d in [
             "WARPS 8",
@@ -463,11 +510,13 @@ mod tests {
             "HAS_BIAS 1",
             "HAS_LORA 0",
             "SEGMENTS 1",
-            "MIN_CUBES 2",
+            "MIN_CUBES 3",
+            "XS_TOKENS 1",
         ] {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }
         assert!(s.contains(&format!("#define KP {}\n", p.kp)));
+        assert!(s.contains(&format!("#define XS_CHUNKS {}\n", p.per)));
         assert!(s.contains(&format!("#define SPLIT {}\n", (p.splits > 1) as usize)));
         assert!(s.is_ascii());
         assert!(s.contains(
