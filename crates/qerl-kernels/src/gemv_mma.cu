@@ -179,6 +179,43 @@ __device__ __forceinline__ void compute_chunk(
     }
 }
 
+#if HAS_LORA
+// The fragments of the LoRA term's 16-deep step rc: rows g and g + 8 of B [N, r] (bf16 pairs)
+// as each row tile's A operand, s*T [M, r] (f32, rounded to bf16 pairs) as each token tile's B;
+// zero past the rank, N and M.
+struct LoraFrags {
+    u32 af[RT][4];
+    u32 bt[M_TILES][2];
+};
+
+__device__ __forceinline__ void lora_frags(
+    LoraFrags& f, int rc, const float* lora_t, const u32* lora_b, float lora_scale, int rank,
+    int m_rows, int n_cols, int n0, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+        const int m = 8 * mt + g;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int col = rc * 16 + 2 * t + q * 8;
+            f.bt[mt][q] = 0u;
+            if (m < m_rows && col < rank) {
+                const float* tr = lora_t + (long)m * rank + col;
+                f.bt[mt][q] = pack_bf16x2(tr[0] * lora_scale, tr[1] * lora_scale);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int col = rc * 16 + 2 * t + (q / 2) * 8;
+            const int n = n0 + 16 * r + (q % 2) * 8 + g;
+            f.af[r][q] = (n < n_cols && col < rank) ? lora_b[((long)n * rank + col) / 2] : 0u;
+        }
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const u32x4* __restrict__ x,
     const u32x4* __restrict__ codes0, const u32* __restrict__ scale_bytes0,
@@ -260,6 +297,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
         const int c = first + d * KP;
         if (c < c1) load_chunk(wq[d], sq[d], codes, scale_bytes, row_vec, row_word, c);
     }
+    // Slice 0 carries the epilogue terms (the slices' sum is the output). The first LoRA step's
+    // fragments are loaded now, so that the epilogue does not wait on them.
+    const bool epilogue = !SPLIT || blockIdx.z == 0;
+#if HAS_LORA
+    LoraFrags lora0;
+    if (epilogue && kpart == 0)
+        lora_frags(lora0, 0, lora_t, lora_b, lora_scale, rank, m_rows, n_cols, n0, g, t);
+#endif
     // The copy of `X`: item i is 16 bytes (8 values) of a token, so consecutive items are
     // consecutive in memory; its four B registers (pairs (x0, x4), (x1, x5), (x2, x6), (x3,
     // x7)) go to entry (cl*4 + q)*4 + t.
@@ -325,38 +370,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     }
 #endif
 
-    // Slice 0 carries the epilogue terms (the slices' sum is the output).
-    const bool epilogue = !SPLIT || blockIdx.z == 0;
 #if HAS_LORA
-    // res += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand.
+    // res += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand (step 0's
+    // fragments were loaded before the K loop).
     if (epilogue) {
         for (int rc = 0; rc < (rank + 15) / 16; ++rc) {
-            u32 bt[M_TILES][2];
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-                const int m = 8 * mt + g;
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const int col = rc * 16 + 2 * t + q * 8;
-                    bt[mt][q] = 0u;
-                    if (m < m_rows && col < rank) {
-                        const float* tr = lora_t + (long)m * rank + col;
-                        bt[mt][q] = pack_bf16x2(tr[0] * lora_scale, tr[1] * lora_scale);
-                    }
-                }
-            }
+            LoraFrags f = lora0;
+            if (rc > 0) lora_frags(f, rc, lora_t, lora_b, lora_scale, rank, m_rows, n_cols, n0, g, t);
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-                u32 af[4];
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int col = rc * 16 + 2 * t + (q / 2) * 8;
-                    const int n = n0 + 16 * r + (q % 2) * 8 + g;
-                    af[q] = (n < n_cols && col < rank) ? lora_b[((long)n * rank + col) / 2] : 0u;
-                }
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
-                    mma_16816(res + (r * M_TILES + mt) * 4, af, bt[mt][0], bt[mt][1]);
+                    mma_16816(res + (r * M_TILES + mt) * 4, f.af[r], f.bt[mt][0], f.bt[mt][1]);
             }
         }
     }

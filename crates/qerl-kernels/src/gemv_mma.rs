@@ -34,10 +34,12 @@ pub(crate) const CHUNK: usize = 128;
 const WARPS: usize = 8;
 /// Most tokens: one 8-token tile.
 pub(crate) const MAX_M: usize = 8;
-/// Warps a multiprocessor the grid aims for before the reduction is split.
-const WARPS_PER_SM: usize = 32;
-/// Fewest chunks a warp walks in a K-slice.
-const MIN_WARP_CHUNKS: usize = 2;
+/// Time a warp spends outside its K loop (the first loads' latency, the copy of `X`, the
+/// epilogue), in chunks: the planner's cost model.
+const WARP_OVERHEAD_CHUNKS: f64 = 1.5;
+/// What a split costs beyond its waves (the partial sums and their reduction, a launch of its
+/// own unless the engine's norm adds them), in chunks.
+const SPLIT_CHUNKS: f64 = 3.0;
 /// u32 words of shared memory the copy of `X` may take (42 KiB: with the scale table and the
 /// warps' sums a cube stays under the 48 KiB of static shared memory).
 const XS_WORDS: usize = 10_752;
@@ -51,14 +53,15 @@ fn max_slice_chunks(m: usize) -> usize {
 /// Tuning knobs, read once from the environment (experiments): `QERL_GEMV_MMA=0` turns the
 /// kernel off, `QERL_GEMV_MMA_RT` (1, 2) sets the 16-row tiles a warp, `QERL_GEMV_MMA_DEPTH`
 /// (1 to 4) the chunks in flight, `QERL_GEMV_MMA_CUBES` (1 to 4) the cubes a multiprocessor
-/// must hold (the register cap), `QERL_GEMV_MMA_WARPS_PER_SM` the split target.
+/// must hold (the register cap), `QERL_GEMV_MMA_KP` (1, 2, 4, 8) the warps a row group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Knobs {
     pub enabled: bool,
     pub rt: usize,
     pub depth: usize,
     pub min_cubes: usize,
-    pub warps_per_sm: usize,
+    /// 0: chosen by [`Plan::new`].
+    pub kp: usize,
 }
 
 impl Knobs {
@@ -67,7 +70,7 @@ impl Knobs {
         rt: 1,
         depth: 3,
         min_cubes: 3,
-        warps_per_sm: WARPS_PER_SM,
+        kp: 0,
     };
 
     fn get() -> Knobs {
@@ -92,7 +95,7 @@ impl Knobs {
                     &|v| (1..=4).contains(&v),
                     d.min_cubes,
                 ),
-                warps_per_sm: num("QERL_GEMV_MMA_WARPS_PER_SM", &|v| v > 0, d.warps_per_sm),
+                kp: num("QERL_GEMV_MMA_KP", &|v| [1, 2, 4, 8].contains(&v), d.kp),
             }
         })
     }
@@ -169,10 +172,12 @@ pub(crate) struct Plan {
 
 impl Plan {
     /// For weights of `ns` rows (one launch), `m` tokens and depth `k` on `sms`
-    /// multiprocessors: the fewest warps a row group (1, 2, 4, 8) that give the grid
-    /// `warps_per_sm` warps a multiprocessor, then K-slices (one weight only, never `unsplit`)
-    /// until it has them and each slice's `X` fits the shared copy. `None`: `unsplit` and `X`
-    /// does not fit.
+    /// multiprocessors: the warps a row group (1, 2, 4, 8) and the K-slices (one weight only,
+    /// never `unsplit`; forced ones as [`splitk::force_splits`] says) of least estimated time,
+    /// `waves · (chunks a warp + WARP_OVERHEAD_CHUNKS)` (+ `SPLIT_CHUNKS` when split), with
+    /// `knobs.min_cubes` cubes a multiprocessor, each slice's `X` fitting the shared copy.
+    /// Waves count: at batch 1 the kernel is bound by issue, so a partial last wave idles
+    /// the multiprocessors it leaves out. `None`: `unsplit` and `X` does not fit.
     pub(crate) fn new(
         ns: &[usize],
         m: usize,
@@ -182,36 +187,67 @@ impl Plan {
         unsplit: bool,
     ) -> Option<Plan> {
         let rows = 16 * knobs.rt;
-        let groups: usize = ns.iter().map(|n| n.div_ceil(rows)).sum();
-        let target = knobs.warps_per_sm * sms;
-        let mut kp = 1;
-        while kp < WARPS && groups * kp < target {
-            kp *= 2;
-        }
-        let width = rows * (WARPS / kp);
-        let cubes = ns.iter().map(|n| n.div_ceil(width)).sum();
-        let chunks = k / CHUNK;
+        let chunks = (k / CHUNK).max(1);
         let most = max_slice_chunks(m);
-        let (mut splits, mut per) = if unsplit {
-            (1, chunks)
-        } else {
-            splitk::plan(groups * kp, chunks, target, MIN_WARP_CHUNKS * kp)
+        let slots = sms * knobs.min_cubes;
+        // `splitk::plan` answers its forced count for any shape when one is set.
+        let forced = splitk::plan(1, chunks, 1, 1).0;
+        let splits_range = match (unsplit, forced) {
+            (true, _) => 1..=1,
+            (false, f) if f > 1 => f..=f,
+            _ => 1..=chunks.min(16),
         };
-        if per > most {
-            if unsplit || most == 0 {
-                return None;
+        let kps: &[usize] = match knobs.kp {
+            0 => &[1, 2, 4, 8],
+            kp => &[kp][..],
+        };
+        let mut best: Option<(f64, Plan)> = None;
+        for &kp in kps {
+            let width = rows * (WARPS / kp);
+            let cubes: usize = ns.iter().map(|n| n.div_ceil(width)).sum();
+            for want in splits_range.clone() {
+                let per = chunks.div_ceil(want);
+                let splits = chunks.div_ceil(per);
+                if per > most {
+                    continue;
+                }
+                let waves = (cubes * splits).div_ceil(slots) as f64;
+                let mut cost = waves * (per.div_ceil(kp) as f64 + WARP_OVERHEAD_CHUNKS);
+                if splits > 1 {
+                    cost += SPLIT_CHUNKS;
+                }
+                let plan = Plan {
+                    m,
+                    rt: knobs.rt,
+                    kp,
+                    depth: knobs.depth,
+                    min_cubes: knobs.min_cubes,
+                    cubes,
+                    splits,
+                    per,
+                };
+                if best.as_ref().is_none_or(|b| cost < b.0 - 1e-9) {
+                    best = Some((cost, plan));
+                }
             }
-            per = chunks.div_ceil(chunks.div_ceil(most));
-            splits = chunks.div_ceil(per);
         }
+        if let Some((_, plan)) = best {
+            return Some(plan);
+        }
+        // Forced or too few slices for the shared copy of `X`: the fewest that fit.
+        if unsplit || most == 0 {
+            return None;
+        }
+        let kp = kps[0];
+        let per = chunks.div_ceil(chunks.div_ceil(most));
         Some(Plan {
             m,
             rt: knobs.rt,
             kp,
             depth: knobs.depth,
             min_cubes: knobs.min_cubes,
-            cubes,
-            splits,
+            cubes: ns.iter().map(|n| n.div_ceil(rows * (WARPS / kp))).sum(),
+            splits: chunks.div_ceil(per),
             per,
         })
     }
@@ -462,24 +498,26 @@ pub(crate) fn launch_segments<R: Runtime>(
 mod tests {
     use super::*;
 
-    /// 7B shapes at batch 1 on 132 multiprocessors: gate/up fills the device with two warps a
-    /// row group; the narrow products take eight, and down (deep K) adds K-slices.
+    /// 7B shapes at batch 1 on 132 multiprocessors (three cubes each): gate/up in three whole
+    /// waves (four warps a row group), the narrow products in one with eight, down split.
     #[test]
-    fn plans_fill_the_device() {
+    fn plans_fill_whole_waves() {
         let k = Knobs::DEFAULT;
         let plan = |ns: &[usize], m, kd, unsplit| Plan::new(ns, m, kd, 132, k, unsplit).unwrap();
         let gate_up = plan(&[18944, 18944], 1, 3584, true);
-        assert_eq!((gate_up.kp, gate_up.splits, gate_up.width()), (2, 1, 64));
-        assert_eq!(gate_up.cubes, 2 * 18944 / 64);
+        assert_eq!((gate_up.kp, gate_up.splits, gate_up.width()), (4, 1, 32));
+        assert_eq!(gate_up.cubes, 2 * 18944 / 32);
         let qkv = plan(&[3584, 512, 512], 1, 3584, true);
         assert_eq!((qkv.kp, qkv.splits, qkv.width()), (8, 1, 16));
         let down = plan(&[3584], 1, 18944, false);
-        assert_eq!((down.kp, down.splits), (8, 3));
-        assert!(down.per * down.splits >= 18944 / CHUNK);
+        assert!(down.splits > 1 && down.per * down.splits >= 18944 / CHUNK);
+        assert!(down.cubes * down.splits <= 3 * 132, "{down:?}");
         let o = plan(&[3584], 1, 3584, false);
         assert_eq!((o.kp, o.splits), (8, 1));
         let rt2 = Plan::new(&[18944], 1, 3584, 132, Knobs { rt: 2, ..k }, true).unwrap();
         assert_eq!(rt2.width() % 32, 0);
+        let kp2 = Plan::new(&[18944], 1, 3584, 132, Knobs { kp: 2, ..k }, true).unwrap();
+        assert_eq!(kp2.kp, 2);
     }
 
     /// The shared copy of `X` bounds a slice: at 8 tokens a deep K is split further, and an
