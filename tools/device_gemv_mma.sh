@@ -80,4 +80,37 @@ if [ "${SECTIONS:-0}" = 1 ]; then
   grep -E "^  qerl_gemv|Grid Size|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Waves Per SM|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Memory Throughput|DRAM Throughput|L1/TEX Hit|Compute \(SM\)|Local Memory|Stall|stall|OPT" \
     "$OUT/ncu-sections.txt" | sed 's/  */ /g' | head -${SECTIONS_LINES:-90}
 fi
+# STALLS=1: one launch of the new kernel (STALLS_SKIP, default 302: a gate/up product) under
+# ncu's full set, then its warp-state totals and the SASS lines with the most stall samples.
+if [ "${STALLS:-0}" = 1 ]; then
+  start=$SECONDS
+  [ -x /tmp/qerl ] || tar -xzf .device/qerl.tar.gz -C /tmp
+  timeout -k 10 ${NCU_T:-150} ncu --clock-control none --kernel-name qerl_gemv_mma \
+    --launch-skip ${STALLS_SKIP:-302} --launch-count 1 --set full --import-source no -f -o /tmp/stalls \
+    /tmp/qerl bench rollout --shape ${STALLS_SHAPE:-qwen2.5-7b} --precision nvfp4 --batch 1 \
+    --prompt 256 --new-tokens 16 --no-check > "$OUT/ncu-stalls.txt" 2>&1
+  ncu --import /tmp/stalls.ncu-rep --page details --print-details all > "$OUT/stalls-details.txt" 2>&1
+  ncu --import /tmp/stalls.ncu-rep --page source --csv --print-source sass > "$OUT/stalls-source.csv" 2>&1
+  echo "== stalls of one launch: $((SECONDS - start)) s"
+  grep -E "Duration|Registers Per|Achieved Active Warps|Issued Warp Per|Warp Cycles Per Issued|DRAM Throughput|Stall [A-Z]|stall_" \
+    "$OUT/stalls-details.txt" | sed 's/  */ /g' | head -${STALLS_LINES:-60}
+  python3 - "$OUT/stalls-source.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+hdr = next((i for i, r in enumerate(rows) if "Source" in r), None)
+if hdr is None:
+    print("no source table"); sys.exit()
+h = rows[hdr]; body = rows[hdr + 1:]
+key = next((c for c in h if c.startswith("Warp Stall Sampling (All")), None)
+print("columns:", "; ".join(h[:40]))
+if key is None: sys.exit()
+ki, si = h.index(key), h.index("Source")
+num = lambda v: float(v.replace(",", "") or 0)
+total = sum(num(r[ki]) for r in body if len(r) > ki)
+top = sorted((r for r in body if len(r) > ki), key=lambda r: -num(r[ki]))[:int(sys.argv[2]) if len(sys.argv) > 2 else 40]
+print(f"stall samples: {total:.0f}")
+for r in top:
+    print(f"{num(r[ki]):7.0f} {100*num(r[ki])/max(total,1):5.1f}%  {r[si][:90]}")
+PY
+fi
 cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude log.txt ./* && rm -f ./*.csv ./*.jsonl ./ncu-*.txt ./test.txt

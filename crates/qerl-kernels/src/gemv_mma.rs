@@ -37,9 +37,12 @@ pub(crate) const MAX_M: usize = 8;
 /// Time a warp spends outside its K loop (the first loads' latency, the copy of `X`, the
 /// epilogue), in chunks: the planner's cost model.
 const WARP_OVERHEAD_CHUNKS: f64 = 1.5;
-/// What a split costs beyond its waves (the partial sums and their reduction, a launch of its
-/// own unless the engine's norm adds them), in chunks.
+/// What a split costs beyond its waves, in chunks: `SPLIT_CHUNKS` (the reduction's launch, or
+/// the engine's norm adding the slices) and `SLICE_CHUNKS` a slice (reading its partial sums:
+/// on an H200 at batch 1 the norm after the down product took 6.7 µs with 2 slices, 9.5 with
+/// 7 and 13.1 with 14, ncu, 2026-11-28).
 const SPLIT_CHUNKS: f64 = 3.0;
+const SLICE_CHUNKS: f64 = 0.75;
 /// u32 words of shared memory the copy of `X` may take (42 KiB: with the scale table and the
 /// warps' sums a cube stays under the 48 KiB of static shared memory).
 const XS_WORDS: usize = 10_752;
@@ -174,7 +177,8 @@ impl Plan {
     /// For weights of `ns` rows (one launch), `m` tokens and depth `k` on `sms`
     /// multiprocessors: the warps a row group (1, 2, 4, 8) and the K-slices (one weight only,
     /// never `unsplit`; forced ones as [`splitk::force_splits`] says) of least estimated time,
-    /// `waves · (chunks a warp + WARP_OVERHEAD_CHUNKS)` (+ `SPLIT_CHUNKS` when split), with
+    /// `waves · (chunks a warp + WARP_OVERHEAD_CHUNKS)` (+ `SPLIT_CHUNKS` and `SLICE_CHUNKS` a
+    /// slice when split), with
     /// `knobs.min_cubes` cubes a multiprocessor, each slice's `X` fitting the shared copy.
     /// Waves count: at batch 1 the kernel is bound by issue, so a partial last wave idles
     /// the multiprocessors it leaves out. `None`: `unsplit` and `X` does not fit.
@@ -214,7 +218,7 @@ impl Plan {
                 let waves = (cubes * splits).div_ceil(slots) as f64;
                 let mut cost = waves * (per.div_ceil(kp) as f64 + WARP_OVERHEAD_CHUNKS);
                 if splits > 1 {
-                    cost += SPLIT_CHUNKS;
+                    cost += SPLIT_CHUNKS + SLICE_CHUNKS * splits as f64;
                 }
                 let plan = Plan {
                     m,
@@ -510,7 +514,8 @@ mod tests {
         let qkv = plan(&[3584, 512, 512], 1, 3584, true);
         assert_eq!((qkv.kp, qkv.splits, qkv.width()), (8, 1, 16));
         let down = plan(&[3584], 1, 18944, false);
-        assert!(down.splits > 1 && down.per * down.splits >= 18944 / CHUNK);
+        assert_eq!((down.kp, down.splits), (4, 3));
+        assert!(down.per * down.splits >= 18944 / CHUNK);
         assert!(down.cubes * down.splits <= 3 * 132, "{down:?}");
         let o = plan(&[3584], 1, 3584, false);
         assert_eq!((o.kp, o.splits), (8, 1));
