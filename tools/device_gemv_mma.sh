@@ -37,19 +37,6 @@ if [ "${TESTS:-1}" = 1 ]; then
       exit 0
     fi
   done
-  # The persistent grid with many tiles a cube (and segments mixed in one cube): 3 cubes a slice.
-  if [ "${GRID_TEST:-1}" = 1 ]; then
-    start=$SECONDS
-    echo "== cuda_bf16::matmul_decode_mma, QERL_GEMV_MMA_GRID=3"
-    QERL_GEMV_MMA_GRID=3 timeout -k 10 ${TEST_T:-200} .device/kernels --ignored --test-threads=1 \
-      --nocapture cuda_bf16::matmul_decode_mma > "$OUT/test.txt" 2>&1
-    grep -E "^test |test result|panicked|decode mma kernel|seed" "$OUT/test.txt" | head -12
-    echo "grid 3: $((SECONDS - start)) s"
-    if ! grep -q "test result: ok" "$OUT/test.txt"; then
-      echo "== the decode mma kernel fails on a capped grid: no timing"
-      exit 0
-    fi
-  fi
   unset QERL_GEMV_MMA_EXPECT
 fi
 off=QERL_GEMV_MMA=0

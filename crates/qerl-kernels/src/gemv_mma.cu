@@ -35,9 +35,8 @@ typedef unsigned short u16;
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 
 // Scalars, packed by gemv_mma.rs in this order (u32 then f32).
-// cubes0, cubes1: the first tile of segments 1 and 2; tiles: all segments' tiles.
 struct Info {
-    u32 m_rows, n0, n1, n2, cubes0, cubes1, tiles, k_dim, split_chunks, rank;
+    u32 m_rows, n0, n1, n2, cubes0, cubes1, k_dim, split_chunks, rank;
     float scale0, scale1, scale2;
 };
 
@@ -217,43 +216,6 @@ __device__ __forceinline__ void lora_frags(
 }
 #endif
 
-// One weight's buffers and scalars, as the tile at hand reads them.
-struct Seg {
-    const u32x4* codes;
-    const u32* scale_bytes;
-    const u16* bias;
-    const float* lora_t;
-    const u32* lora_b;
-    u16* y;
-    int n_cols, tile0, index;
-    float lora_scale;
-};
-
-// S = the segment of cube tile `tile` (uniform per tile: every segment's N but the last is a
-// multiple of a tile's GROUPS * ROWS rows).
-#define SEGMENT_OF(tile, S)                                                                  \
-    do {                                                                                     \
-        S.codes = codes0; S.scale_bytes = scale_bytes0; S.bias = bias0;                      \
-        S.lora_t = lora_t0; S.lora_b = lora_b0; S.y = y0;                                    \
-        S.n_cols = info.n0; S.tile0 = 0; S.index = 0; S.lora_scale = info.scale0;            \
-        if (SEGMENTS > 1 && (tile) >= (int)info.cubes0) {                                    \
-            if (SEGMENTS == 2 || (tile) < (int)info.cubes1) {                                \
-                S.codes = codes1; S.scale_bytes = scale_bytes1; S.bias = bias1;              \
-                S.lora_t = lora_t1; S.lora_b = lora_b1; S.y = y1;                            \
-                S.n_cols = info.n1; S.tile0 = info.cubes0; S.index = 1;                      \
-                S.lora_scale = info.scale1;                                                  \
-            } else {                                                                         \
-                S.codes = codes2; S.scale_bytes = scale_bytes2; S.bias = bias2;              \
-                S.lora_t = lora_t2; S.lora_b = lora_b2; S.y = y2;                            \
-                S.n_cols = info.n2; S.tile0 = info.cubes1; S.index = 2;                      \
-                S.lora_scale = info.scale2;                                                  \
-            }                                                                                \
-        }                                                                                    \
-    } while (0)
-
-// The grid is persistent: cube b takes the tiles b, b + gridDim.x, ... (a tile: GROUPS row
-// groups of ROWS rows), each warp walking its share of each tile's chunks in one stream of
-// items, so that the ring of loads runs on across tiles and `X` is copied once a cube.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const u32x4* __restrict__ x,
     const u32x4* __restrict__ codes0, const u32* __restrict__ scale_bytes0,
@@ -266,85 +228,90 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const float* __restrict__ scale_table2, const u16* __restrict__ bias2,
     const float* __restrict__ lora_t2, const u32* __restrict__ lora_b2, u16* y2,
     float* part, const Info info) {
-    // Each segment's block scales times 2^63 as bf16 pairs (both halves the same).
-    __shared__ u32 stab[SEGMENTS * 256];
+    // Block scales times 2^63 as bf16 pairs (both halves the same).
+    __shared__ u32 stab[256];
     // `X` of the cube's slice in fragment order (see the top of this file).
     __shared__ __align__(16) u32 xs[XS_TOKENS * XS_TOKEN_WORDS];
 #if KP > 1
-    // The warps' sums of a tile, two tiles' worth (a warp may write the next tile's sums
-    // while the row group's first warp still reads this one's).
-    __shared__ float red[2 * WARPS * NACC * 32];
+    __shared__ float red[WARPS * NACC * 32];
 #endif
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int group = warp / KP, kpart = warp % KP;
+    const int cube = blockIdx.x;
+
+    // This cube's segment (uniform per cube: every segment's N but the last is a multiple of
+    // the cube's GROUPS * ROWS rows).
+    const u32x4* codes = codes0;
+    const u32* scale_bytes = scale_bytes0;
+    const float* scale_table = scale_table0;
+    const u16* bias = bias0;
+    const float* lora_t = lora_t0;
+    const u32* lora_b = lora_b0;
+    u16* y = y0;
+    int n_cols = info.n0, seg_cube0 = 0;
+    float lora_scale = info.scale0;
+    if (SEGMENTS > 1 && cube >= (int)info.cubes0) {
+        if (SEGMENTS == 2 || cube < (int)info.cubes1) {
+            codes = codes1; scale_bytes = scale_bytes1; scale_table = scale_table1;
+            bias = bias1; lora_t = lora_t1; lora_b = lora_b1; y = y1;
+            n_cols = info.n1; seg_cube0 = info.cubes0; lora_scale = info.scale1;
+        } else {
+            codes = codes2; scale_bytes = scale_bytes2; scale_table = scale_table2;
+            bias = bias2; lora_t = lora_t2; lora_b = lora_b2; y = y2;
+            n_cols = info.n2; seg_cube0 = info.cubes1; lora_scale = info.scale2;
+        }
+    }
     const int m_rows = info.m_rows, k_dim = info.k_dim, rank = info.rank;
+    const int n0 = ((cube - seg_cube0) * GROUPS + group) * ROWS;
     const int chunks = k_dim / CHUNK;
     int c0 = 0, c1 = chunks;
 #if SPLIT
     c0 = imin(blockIdx.z * (int)info.split_chunks, chunks);
     c1 = imin(c0 + (int)info.split_chunks, chunks);
 #endif
-    const int slice = c1 - c0;
-    // Items a warp walks a tile: the same for every warp of the cube (an item past the slice
-    // computes nothing), so all of them reach each tile's end, and its barrier, together.
-    const int nc = (slice + KP - 1) / KP;
-    const int my_tiles = ((int)info.tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
-    const int items = my_tiles * nc;
+
+    // Rows g and g + 8 of each tile (a row past N reads row N - 1; never stored), in 32-bit
+    // offsets at chunk 0: the lane's 16-byte vector, its scale word.
+    u32 row_vec[RT][2], row_word[RT][2];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 n = (u32)imin(n0 + 16 * r + 8 * h + g, n_cols - 1);
+            row_vec[r][h] = n * (u32)(k_dim / 32) + t;
+            row_word[r][h] = n * (u32)(k_dim / BLOCK / 4) + (BLOCK == 16 ? (t >> 1) : 0);
+        }
+    }
     // Where the lane's scale bytes sit in its word: blocks 2t, 2t + 1 of the chunk's 8
     // (NVFP4), block t of 4 (MXFP4).
     const int s_shift = BLOCK == 16 ? 16 * (t & 1) : 8 * t;
-    // Slice 0 carries the epilogue terms (the slices' sum is the output).
-    const bool epilogue = !SPLIT || blockIdx.z == 0;
-
-    // The load cursor: the next item to load is item lc of the cube's tile lt, whose rows g
-    // and g + 8 of each 16 (a row past N reads row N - 1; never stored) start at these 32-bit
-    // offsets: the lane's 16-byte vector and its scale word at chunk 0.
-    int lt = 0, lc = 0;
-    const u32x4* ld_codes = codes0;
-    const u32* ld_scales = scale_bytes0;
-    u32 row_vec[RT][2], row_word[RT][2];
-    auto load_next = [&](u32x4 (&w)[RT][2], u32 (&sc)[RT][2]) {
-        if (lc == 0) {
-            const int tile = (int)blockIdx.x + lt * (int)gridDim.x;
-            Seg s;
-            SEGMENT_OF(tile, s);
-            ld_codes = s.codes;
-            ld_scales = s.scale_bytes;
-            const int n0 = ((tile - s.tile0) * GROUPS + group) * ROWS;
-#pragma unroll
-            for (int r = 0; r < RT; ++r) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32 n = (u32)imin(n0 + 16 * r + 8 * h + g, s.n_cols - 1);
-                    row_vec[r][h] = n * (u32)(k_dim / 32) + t;
-                    row_word[r][h] =
-                        n * (u32)(k_dim / BLOCK / 4) + (BLOCK == 16 ? (t >> 1) : 0);
-                }
-            }
-        }
-        const int cl = kpart + lc * KP;
-        if (cl < slice) load_chunk(w, sc, ld_codes, ld_scales, row_vec, row_word, c0 + cl);
-        if (++lc == nc) {
-            lc = 0;
-            ++lt;
-        }
-    };
 
     u32x4 wq[DEPTH][RT][2];
     u32 sq[DEPTH][RT][2];
-    // The first loads go out before `X` is copied and the scale tables are built.
+    const int first = c0 + kpart;
+    // The first loads go out before `X` is copied and the scale table is built.
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
-        if (d < items) load_next(wq[d], sq[d]);
+        const int c = first + d * KP;
+        if (c < c1) load_chunk(wq[d], sq[d], codes, scale_bytes, row_vec, row_word, c);
     }
+    // Slice 0 carries the epilogue terms (the slices' sum is the output). The first LoRA step's
+    // fragments are loaded now, so that the epilogue does not wait on them.
+    const bool epilogue = !SPLIT || blockIdx.z == 0;
+#if HAS_LORA
+    LoraFrags lora0;
+    if (epilogue && kpart == 0)
+        lora_frags(lora0, 0, lora_t, lora_b, lora_scale, rank, m_rows, n_cols, n0, g, t);
+#endif
     // The copy of `X`: item i is 16 bytes (8 values) of a token, so consecutive items are
     // consecutive in memory; its four B registers (pairs (x0, x4), (x1, x5), (x2, x6), (x3,
     // x7)) go to entry (cl*4 + q)*4 + t.
     {
-        const int n_items = m_rows * slice * 16;
-        for (int i = tid; i < n_items; i += THREADS) {
+        const int slice = c1 - c0;
+        const int items = m_rows * slice * 16;
+        for (int i = tid; i < items; i += THREADS) {
             const int tok = i / (slice * 16), rem = i - tok * slice * 16;
             const int cl = rem >> 4, j = rem & 15, tt = j >> 2, q = j & 3;
             const u32x4 v = x[tok * (k_dim / 8) + (c0 + cl) * 16 + j];
@@ -356,9 +323,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
             *(u32x4*)(xs + tok * XS_TOKEN_WORDS + ((cl * 4 + q) * 4 + tt) * 4) = e;
         }
     }
-    for (int i = tid; i < SEGMENTS * 256; i += THREADS) {
-        const float* tab = i < 256 ? scale_table0 : i < 512 ? scale_table1 : scale_table2;
-        const u32 h = bf16_of(tab[i & 255] * TWO_POW_63);
+    for (int i = tid; i < 256; i += THREADS) {
+        const u32 h = bf16_of(scale_table[i] * TWO_POW_63);
         stab[i] = h | (h << 16);
     }
     __syncthreads();
@@ -369,117 +335,84 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     for (int mt = 0; mt < M_TILES; ++mt)
         xs_lane[mt] = xs + imin(8 * mt + g, m_rows - 1) * XS_TOKEN_WORDS + t * 4;
 
-    // The compute cursor: item cc of the cube's tile ct, whose segment is cs and first row
-    // (of this warp's row group) cn0.
-    int ct = 0, cc = 0, cn0 = 0;
-    Seg cs;
-    SEGMENT_OF((int)blockIdx.x, cs);
-    const u32* cstab = stab;
     float acc[2 * NACC];
 #pragma unroll
     for (int i = 0; i < 2 * NACC; ++i) acc[i] = 0.0f;
-#if HAS_LORA
-    LoraFrags lora0;
-#endif
-
-    // The end of tile ct: the two parities' sums with the half of 2^126 the block scales did
-    // not carry, the row group's warps added in warp order, then the epilogue and the stores.
-    auto finish_tile = [&]() {
-        float res[NACC];
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) res[i] = (acc[i] + acc[NACC + i]) * TWO_POW_63;
-#if KP > 1
-        float* rb = red + (ct & 1) * (WARPS * NACC * 32);
-        if (kpart != 0) {
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) rb[(warp * NACC + i) * 32 + lane] = res[i];
-        }
-        __syncthreads();
-        if (kpart != 0) return;
-#pragma unroll
-        for (int j = 1; j < KP; ++j) {
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) res[i] += rb[((warp + j) * NACC + i) * 32 + lane];
-        }
-#endif
-#if HAS_LORA
-        // res += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand (step
-        // 0's fragments were loaded at the tile's start).
-        if (epilogue) {
-            for (int rc = 0; rc < (rank + 15) / 16; ++rc) {
-                LoraFrags f = lora0;
-                if (rc > 0)
-                    lora_frags(f, rc, cs.lora_t, cs.lora_b, cs.lora_scale, rank, m_rows,
-                               cs.n_cols, cn0, g, t);
-#pragma unroll
-                for (int r = 0; r < RT; ++r) {
-#pragma unroll
-                    for (int mt = 0; mt < M_TILES; ++mt)
-                        mma_16816(res + (r * M_TILES + mt) * 4, f.af[r], f.bt[mt][0],
-                                  f.bt[mt][1]);
-                }
-            }
-        }
-#endif
-        // res[(r*M_TILES + mt)*4 + 2h + e]: weight row cn0 + 16r + 8h + g, token 8mt + 2t + e.
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int n = cn0 + 16 * r + 8 * h + g;
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int m = 8 * mt + 2 * t + e;
-                        if (n < cs.n_cols && m < m_rows) {
-                            float v = res[(r * M_TILES + mt) * 4 + 2 * h + e];
-#if HAS_BIAS
-                            if (epilogue) {
-                                float b;
-                                asm("mov.b32 %0, %1;" : "=f"(b) : "r"(((u32)cs.bias[n]) << 16));
-                                v += b;
-                            }
-#endif
-#if SPLIT
-                            part[((long)blockIdx.z * m_rows + m) * cs.n_cols + n] = v;
-#else
-                            cs.y[(long)m * cs.n_cols + n] = (u16)bf16_of(v);
-#endif
-                        }
-                    }
-                }
-            }
-        }
-    };
-
-    for (int jb = 0; jb < items; jb += DEPTH) {
+    for (int cb = first; cb < c1; cb += DEPTH * KP) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
-            const int j = jb + d;
-            if (j < items) {
-                if (cc == 0) {
-                    // A new tile: its segment, rows, scale table, and its first LoRA step's
-                    // fragments (in flight while the tile is computed).
-                    const int tile = (int)blockIdx.x + ct * (int)gridDim.x;
-                    SEGMENT_OF(tile, cs);
-                    cn0 = ((tile - cs.tile0) * GROUPS + group) * ROWS;
-                    cstab = stab + cs.index * 256;
-#if HAS_LORA
-                    if (epilogue && kpart == 0)
-                        lora_frags(lora0, 0, cs.lora_t, cs.lora_b, cs.lora_scale, rank, m_rows,
-                                   cs.n_cols, cn0, g, t);
-#endif
-                }
-                const int cl = kpart + cc * KP;
-                if (cl < slice) compute_chunk(wq[d], sq[d], xs_lane, cl, cstab, s_shift, acc);
-                if (j + DEPTH < items) load_next(wq[d], sq[d]);
-                if (++cc == nc) {
-                    finish_tile();
-                    cc = 0;
-                    ++ct;
+            const int c = cb + d * KP;
+            if (c < c1) {
+                compute_chunk(wq[d], sq[d], xs_lane, c - c0, stab, s_shift, acc);
+                const int cn = c + DEPTH * KP;
+                if (cn < c1) load_chunk(wq[d], sq[d], codes, scale_bytes, row_vec, row_word, cn);
+            }
+        }
+    }
+
+    // The two parities' sums, with the half of 2^126 the block scales did not carry.
+    float res[NACC];
 #pragma unroll
-                    for (int i = 0; i < 2 * NACC; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < NACC; ++i) res[i] = (acc[i] + acc[NACC + i]) * TWO_POW_63;
+
+#if KP > 1
+    // The row group's first warp adds the others' sums, in warp order.
+    if (kpart != 0) {
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) red[(warp * NACC + i) * 32 + lane] = res[i];
+    }
+    __syncthreads();
+    if (kpart != 0) return;
+#pragma unroll
+    for (int j = 1; j < KP; ++j) {
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) res[i] += red[((warp + j) * NACC + i) * 32 + lane];
+    }
+#endif
+
+#if HAS_LORA
+    // res += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand (step 0's
+    // fragments were loaded before the K loop).
+    if (epilogue) {
+        for (int rc = 0; rc < (rank + 15) / 16; ++rc) {
+            LoraFrags f = lora0;
+            if (rc > 0) lora_frags(f, rc, lora_t, lora_b, lora_scale, rank, m_rows, n_cols, n0, g, t);
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+                    mma_16816(res + (r * M_TILES + mt) * 4, f.af[r], f.bt[mt][0], f.bt[mt][1]);
+            }
+        }
+    }
+#endif
+
+    // res[(r*M_TILES + mt)*4 + 2h + e]: weight row n0 + 16r + 8h + g, token 8mt + 2t + e.
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = n0 + 16 * r + 8 * h + g;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int m = 8 * mt + 2 * t + e;
+                    if (n < n_cols && m < m_rows) {
+                        float v = res[(r * M_TILES + mt) * 4 + 2 * h + e];
+#if HAS_BIAS
+                        if (epilogue) {
+                            float b;
+                            asm("mov.b32 %0, %1;" : "=f"(b) : "r"(((u32)bias[n]) << 16));
+                            v += b;
+                        }
+#endif
+#if SPLIT
+                        part[((long)blockIdx.z * m_rows + m) * n_cols + n] = v;
+#else
+                        y[(long)m * n_cols + n] = (u16)bf16_of(v);
+#endif
+                    }
                 }
             }
         }

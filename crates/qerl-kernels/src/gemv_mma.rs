@@ -56,9 +56,7 @@ fn max_slice_chunks(m: usize) -> usize {
 /// Tuning knobs, read once from the environment (experiments): `QERL_GEMV_MMA=0` turns the
 /// kernel off, `QERL_GEMV_MMA_RT` (1, 2) sets the 16-row tiles a warp, `QERL_GEMV_MMA_DEPTH`
 /// (1 to 4) the chunks in flight, `QERL_GEMV_MMA_CUBES` (1 to 4) the cubes a multiprocessor
-/// must hold (the register cap), `QERL_GEMV_MMA_KP` (1, 2, 4, 8) the warps a row group,
-/// `QERL_GEMV_MMA_PERSIST=0` one tile a cube (no persistent grid), `QERL_GEMV_MMA_GRID` at most
-/// that many cubes a slice (tests: many tiles a cube, segments mixed in one cube).
+/// must hold (the register cap), `QERL_GEMV_MMA_KP` (1, 2, 4, 8) the warps a row group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Knobs {
     pub enabled: bool,
@@ -67,9 +65,6 @@ pub(crate) struct Knobs {
     pub min_cubes: usize,
     /// 0: chosen by [`Plan::new`].
     pub kp: usize,
-    pub persist: bool,
-    /// 0: no cap.
-    pub grid_cap: usize,
 }
 
 impl Knobs {
@@ -79,8 +74,6 @@ impl Knobs {
         depth: 3,
         min_cubes: 3,
         kp: 0,
-        persist: true,
-        grid_cap: 0,
     };
 
     fn get() -> Knobs {
@@ -106,8 +99,6 @@ impl Knobs {
                     d.min_cubes,
                 ),
                 kp: num("QERL_GEMV_MMA_KP", &|v| [1, 2, 4, 8].contains(&v), d.kp),
-                persist: std::env::var("QERL_GEMV_MMA_PERSIST").map_or(d.persist, |v| v != "0"),
-                grid_cap: num("QERL_GEMV_MMA_GRID", &|v| v > 0, d.grid_cap),
             }
         })
     }
@@ -169,8 +160,7 @@ pub(crate) fn segments_apply<R: Runtime, F: Float>(
 }
 
 /// A launch's shape: `rt` 16-row tiles a warp, `kp` warps a row group (each every `kp`-th
-/// chunk), `cubes` tiles of `8 / kp` row groups (the segments' in order), `splits` K-slices of
-/// `per` chunks, `grid_x` cubes a slice (persistent: each takes every `grid_x`-th tile).
+/// chunk), `cubes` along x (the segments' in order), `splits` K-slices of `per` chunks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Plan {
     pub m: usize,
@@ -181,7 +171,6 @@ pub(crate) struct Plan {
     pub cubes: usize,
     pub splits: usize,
     pub per: usize,
-    pub grid_x: usize,
 }
 
 impl Plan {
@@ -240,24 +229,14 @@ impl Plan {
                     cubes,
                     splits,
                     per,
-                    grid_x: cubes,
                 };
                 if best.as_ref().is_none_or(|b| cost < b.0 - 1e-9) {
                     best = Some((cost, plan));
                 }
             }
         }
-        let persist = |mut p: Plan| {
-            if knobs.persist {
-                p.grid_x = p.cubes.min((slots / p.splits).max(1));
-            }
-            if knobs.grid_cap > 0 {
-                p.grid_x = p.grid_x.min(knobs.grid_cap);
-            }
-            p
-        };
         if let Some((_, plan)) = best {
-            return Some(persist(plan));
+            return Some(plan);
         }
         // Forced or too few slices for the shared copy of `X`: the fewest that fit.
         if unsplit || most == 0 {
@@ -265,18 +244,16 @@ impl Plan {
         }
         let kp = kps[0];
         let per = chunks.div_ceil(chunks.div_ceil(most));
-        let cubes = ns.iter().map(|n| n.div_ceil(rows * (WARPS / kp))).sum();
-        Some(persist(Plan {
+        Some(Plan {
             m,
             rt: knobs.rt,
             kp,
             depth: knobs.depth,
             min_cubes: knobs.min_cubes,
-            cubes,
+            cubes: ns.iter().map(|n| n.div_ceil(rows * (WARPS / kp))).sum(),
             splits: chunks.div_ceil(per),
             per,
-            grid_x: cubes,
-        }))
+        })
     }
 
     /// Weight rows a cube covers.
@@ -383,7 +360,7 @@ fn run(
         }
     }
     buffers.push(part.binding());
-    // `Info` of gemv_mma.cu: ten u32, then three f32.
+    // `Info` of gemv_mma.cu: nine u32, then three f32.
     let scalars = [
         m as u32,
         seg(0).n as u32,
@@ -391,7 +368,6 @@ fn run(
         seg(2).n as u32,
         cubes0,
         cubes1,
-        plan.cubes as u32,
         k as u32,
         plan.per as u32,
         rank as u32,
@@ -409,7 +385,7 @@ fn run(
             plan.source(block, flags, segs.len()),
             ENTRY,
             (32 * WARPS) as u32,
-            (plan.grid_x as u32, 1, plan.splits as u32),
+            (plan.cubes as u32, 1, plan.splits as u32),
             buffers,
             &scalars,
         )
@@ -547,22 +523,6 @@ mod tests {
         assert_eq!(rt2.width() % 32, 0);
         let kp2 = Plan::new(&[18944], 1, 3584, 132, Knobs { kp: 2, ..k }, true).unwrap();
         assert_eq!(kp2.kp, 2);
-        // persistent: at most the cubes the device holds, one tile each where they fit
-        assert_eq!(gate_up.grid_x, 3 * 132);
-        assert_eq!(qkv.grid_x, qkv.cubes);
-        assert!(down.grid_x * down.splits <= 3 * 132);
-        let one = Plan::new(
-            &[18944],
-            1,
-            3584,
-            132,
-            Knobs {
-                persist: false,
-                ..k
-            },
-            true,
-        );
-        assert_eq!(one.map(|p| p.grid_x == p.cubes), Some(true));
     }
 
     /// The shared copy of `X` bounds a slice: at 8 tokens a deep K is split further, and an
