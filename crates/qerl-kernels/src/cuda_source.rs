@@ -19,7 +19,9 @@ use cubecl::cuda::{CudaCompiler, CudaRuntime};
 use cubecl::prelude::*;
 use cubecl::server::{Binding, KernelArguments, MetadataBindingInfo};
 use cubecl::{CompilationError, CubeTask};
+use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::{Arc, Mutex};
 
 /// A frame whose compiled form gives cubecl the representation it asks of every CUDA kernel;
 /// its text is never used.
@@ -30,7 +32,7 @@ fn source_frame(out: &mut Array<u32>) {
 
 /// One CUDA text with its entry point, as a task cubecl compiles, caches and launches.
 struct SourceTask {
-    source: String,
+    source: Arc<str>,
     entry: &'static str,
     hash: u64,
     cube_dim: CubeDim,
@@ -58,12 +60,45 @@ impl CubeTask<CudaCompiler> for SourceTask {
         address_type: StorageType,
     ) -> Result<CompiledKernel<CudaCompiler>, CompilationError> {
         let mut kernel = self.frame.compile(compiler, options, mode, address_type)?;
-        kernel.source = self.source.clone();
+        kernel.source = self.source.to_string();
         kernel.entrypoint_name = self.entry.to_string();
         kernel.debug_name = Some(self.entry);
         kernel.cube_dim = self.cube_dim;
         Ok(kernel)
     }
+}
+
+/// A kernel text and the hash of it (with its entry point) that names it in cubecl's caches.
+#[derive(Clone)]
+pub(crate) struct Source {
+    text: Arc<str>,
+    hash: u64,
+}
+
+/// Kernel texts by configuration, built once: building and hashing a text (15 KiB) took more
+/// host time than a launch, which at batch 1 is what the host has to keep ahead of the GPU.
+pub(crate) type SourceCache<K> = Mutex<HashMap<K, Source>>;
+
+/// `key`'s text from `cache`, built by `build` (and hashed with `entry`) the first time.
+pub(crate) fn cached<K: Hash + Eq + Clone>(
+    cache: &SourceCache<K>,
+    key: &K,
+    entry: &str,
+    build: impl FnOnce() -> String,
+) -> Source {
+    let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
+    map.entry(key.clone())
+        .or_insert_with(|| {
+            let text = build();
+            let mut h = DefaultHasher::new();
+            text.hash(&mut h);
+            entry.hash(&mut h);
+            Source {
+                text: text.into(),
+                hash: h.finish(),
+            }
+        })
+        .clone()
 }
 
 /// `#define NAME value` lines for a kernel's configuration, ahead of its text.
@@ -83,16 +118,13 @@ pub(crate) fn defines(values: &[(&str, usize)]) -> String {
 /// arguments, the last one a struct of `scalars`' layout.
 pub(crate) unsafe fn launch(
     client: &ComputeClient<CudaRuntime>,
-    source: String,
+    source: Source,
     entry: &'static str,
     threads: u32,
     count: (u32, u32, u32),
     buffers: Vec<Binding>,
     scalars: &[u32],
 ) {
-    let mut h = DefaultHasher::new();
-    source.hash(&mut h);
-    entry.hash(&mut h);
     let cube_dim = CubeDim::new_1d(threads);
     let settings = KernelSettings::default().cube_dim(cube_dim);
     let frame = source_frame::SourceFrame::<CudaRuntime>::new(
@@ -101,9 +133,9 @@ pub(crate) unsafe fn launch(
         ArrayCompilationArg { inplace: None },
     );
     let task = SourceTask {
-        source,
+        source: source.text,
         entry,
-        hash: h.finish(),
+        hash: source.hash,
         cube_dim,
         frame: KernelTask::new(frame),
     };

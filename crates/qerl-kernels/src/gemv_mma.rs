@@ -109,6 +109,11 @@ impl Knobs {
 
 static LAUNCHES: AtomicUsize = AtomicUsize::new(0);
 
+/// The texts built so far, by plan, block size, `(bias, LoRA)` and segments.
+type SourceKey = (Plan, usize, (bool, bool), usize);
+static SOURCES: std::sync::LazyLock<cuda_source::SourceCache<SourceKey>> =
+    std::sync::LazyLock::new(Default::default);
+
 /// Products this kernel has run in this process (tests check that it ran).
 pub fn launches() -> usize {
     LAUNCHES.load(Ordering::Relaxed)
@@ -164,7 +169,7 @@ pub(crate) fn segments_apply<R: Runtime, F: Float>(
 
 /// A launch's shape: `rt` 16-row tiles a warp, `kp` warps a row group (each every `kp`-th
 /// chunk), `cubes` along x (the segments' in order), `splits` K-slices of `per` chunks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Plan {
     pub m: usize,
     pub rt: usize,
@@ -385,7 +390,9 @@ fn run(
     unsafe {
         cuda_source::launch(
             client,
-            plan.source(block, flags, segs.len()),
+            cuda_source::cached(&SOURCES, &(*plan, block, flags, segs.len()), ENTRY, || {
+                plan.source(block, flags, segs.len())
+            }),
             ENTRY,
             (32 * WARPS) as u32,
             (plan.cubes as u32, 1, plan.splits as u32),

@@ -45,6 +45,10 @@ pub(crate) fn runs<R: Runtime>(client: &ComputeClient<R>, g: &Geometry) -> bool 
     g.warpgroup && g.r_tiles == 1 && 8 * g.m_tiles <= MAX_TOKENS && available(client)
 }
 
+/// The texts built so far, by configuration.
+static SOURCES: std::sync::LazyLock<cuda_source::SourceCache<Config>> =
+    std::sync::LazyLock::new(Default::default);
+
 /// What the kernel text is compiled for (each value a `#define` of `warpgroup.cu`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Config {
@@ -235,7 +239,7 @@ pub(crate) fn launch<R: Runtime>(
     unsafe {
         cuda_source::launch(
             client,
-            config.source(),
+            cuda_source::cached(&SOURCES, &config, ENTRY, || config.source()),
             ENTRY,
             (32 * g.warps) as u32,
             (g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32),
