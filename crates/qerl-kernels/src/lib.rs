@@ -3,7 +3,8 @@
 //! * [`dequant`]: packed 4-bit weight + scales -> dense `[N, K]`.
 //! * [`gemm`]: W4A16 `Y[M,N] = X[M,K] · deq(W)[N,K]^T (+ bias) (+ s·(X·Aᵀ)·Bᵀ)`, the LoRA term
 //!   applied in the epilogue (for M <= 8, or 16 without tensor cores, on devices with warp operations, a memory-bound
-//!   decode kernel, `gemv`; split-K where the output alone would not fill the device); and the
+//!   decode kernel, `gemv`, on CUDA for bf16 E2M1 weights on `mma` tensor cores, `gemv_mma`;
+//!   split-K where the output alone would not fill the device); and the
 //!   backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`. Above the decode kernel's rows the
 //!   [`gemm::Strategy`] decides: by default the `mma` kernel for decode batches, the tensor-core
 //!   kernel, and dequantize + cuBLAS ([`dense`] operands, the CUDA-only `cublas` module) from
@@ -15,6 +16,9 @@
 //!   (`[tokens, heads·d]` -> `[batch, heads, seq, d]`), forward and backward.
 //! * [`silu_mul`]: the SwiGLU gate `h = silu(g) ⊙ u`, forward and backward, one element-wise
 //!   kernel each.
+//!
+//! Kernels cubecl cannot express (`wgmma`, register-level bit tricks) are hand-written CUDA,
+//! compiled and launched on cubecl's own stream through the CUDA-only `cuda_source` module.
 //!
 //! Every kernel accumulates in f32 whatever the activation type `F` (f32/f16 on wgpu, bf16 on
 //! CUDA). Weights live on the device as a [`DeviceWeight`]: 4-bit codes packed eight to a `u32`
