@@ -15,9 +15,10 @@
 //! the kernel's last argument; with a dynamic part it would upload it and insert a pointer
 //! argument before it (the first launch's illegal address, 2026-11-28).
 
+use crate::device::DeviceWeight;
 use cubecl::cuda::{CudaCompiler, CudaRuntime};
 use cubecl::prelude::*;
-use cubecl::server::{Binding, KernelArguments, MetadataBindingInfo};
+use cubecl::server::{Binding, Handle, KernelArguments, MetadataBindingInfo};
 use cubecl::{CompilationError, CubeTask};
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -152,4 +153,72 @@ pub(crate) unsafe fn launch(
     let count = CubeCount::Static(count.0, count.1, count.2);
     // SAFETY: the caller's contract (buffers in bounds, the argument list as given).
     unsafe { client.launch_unchecked(Box::new(task), count, args) };
+}
+
+/// One weight's buffers and scalars as the hand-written products take them (one of up to three
+/// segments sharing `X`: q/k/v, gate/up).
+pub(crate) struct SegmentArgs {
+    pub codes: Handle,
+    pub scale_bytes: Handle,
+    pub scale_table: Handle,
+    pub bias: Handle,
+    pub lora_t: Handle,
+    pub lora_b: Handle,
+    pub y: Handle,
+    pub n: usize,
+    pub lora_scale: f32,
+}
+
+impl SegmentArgs {
+    /// `weight`'s codes and scales with its bias (any buffer when there is none), LoRA `T`, `B`
+    /// and scale (any buffers and 0 when there is none) and output `y`.
+    pub(crate) fn new(
+        weight: &DeviceWeight,
+        bias: Handle,
+        (lora_t, lora_b, lora_scale): (Handle, Handle, f32),
+        y: Handle,
+    ) -> Self {
+        SegmentArgs {
+            codes: weight.codes.clone(),
+            scale_bytes: weight.scale_bytes.clone(),
+            scale_table: weight.scale_table.clone(),
+            bias,
+            lora_t,
+            lora_b,
+            y,
+            n: weight.n,
+            lora_scale,
+        }
+    }
+}
+
+/// The products' buffer arguments: `x`, then codes, scale bytes, scale table, bias, LoRA `T`,
+/// LoRA `B` and `Y` of three segments (the last one repeated where there are fewer).
+pub(crate) fn segment_bindings(x: &Handle, segs: &[SegmentArgs]) -> Vec<Binding> {
+    let mut buffers: Vec<Binding> = vec![x.clone().binding()];
+    for i in 0..3 {
+        let s = &segs[i.min(segs.len() - 1)];
+        for h in [
+            &s.codes,
+            &s.scale_bytes,
+            &s.scale_table,
+            &s.bias,
+            &s.lora_t,
+            &s.lora_b,
+            &s.y,
+        ] {
+            buffers.push(h.clone().binding());
+        }
+    }
+    buffers
+}
+
+/// The first cube of segments 1 and 2 for cubes of `width` rows (`u32::MAX` for one segment):
+/// every segment's `N` but the last is a multiple of `width`.
+pub(crate) fn segment_starts(segs: &[SegmentArgs], width: usize) -> (u32, u32) {
+    match segs {
+        [_] => (u32::MAX, u32::MAX),
+        [a, b, ..] => ((a.n / width) as u32, ((a.n + b.n) / width) as u32),
+        [] => unreachable!("no segments"),
+    }
 }

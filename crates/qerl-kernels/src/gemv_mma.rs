@@ -14,13 +14,13 @@
 //!
 //! Numbers: the decoded weight is rounded to bf16 (as in the batch kernels), the sums are f32.
 
-use crate::cuda_source;
+use crate::cuda_source::{self, SegmentArgs};
 use crate::device::DeviceWeight;
 use crate::gemv::Segment;
 use crate::splitk::{self, ReduceEpilogue};
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
-use cubecl::server::{Binding, Handle};
+use cubecl::server::Handle;
 use qerl_format::QuantFormat;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -291,41 +291,17 @@ impl Plan {
     }
 }
 
-/// One weight's buffers and scalars as the kernel takes them.
-struct SegmentArgs {
-    codes: Handle,
-    scale_bytes: Handle,
-    scale_table: Handle,
-    bias: Handle,
-    lora_t: Handle,
-    lora_b: Handle,
+/// `weight`'s segment with its optional bias and LoRA epilogue (`T`, `B`, rank, scale): what
+/// is absent is bound to a buffer the kernel never reads.
+fn segment_args(
+    weight: &DeviceWeight,
+    bias: Option<Handle>,
+    lora: Option<(Handle, Handle, usize, f32)>,
     y: Handle,
-    n: usize,
-    lora_scale: f32,
-}
-
-impl SegmentArgs {
-    fn new(
-        weight: &DeviceWeight,
-        bias: Option<Handle>,
-        lora: Option<(Handle, Handle, usize, f32)>,
-        y: Handle,
-    ) -> Self {
-        let unused = weight.code_table.clone();
-        let (lora_t, lora_b, _, lora_scale) =
-            lora.unwrap_or_else(|| (unused.clone(), unused.clone(), 0, 0.0));
-        SegmentArgs {
-            codes: weight.codes.clone(),
-            scale_bytes: weight.scale_bytes.clone(),
-            scale_table: weight.scale_table.clone(),
-            bias: bias.unwrap_or(unused),
-            lora_t,
-            lora_b,
-            y,
-            n: weight.n,
-            lora_scale,
-        }
-    }
+) -> SegmentArgs {
+    let unused = weight.code_table.clone();
+    let (t, b, _, scale) = lora.unwrap_or_else(|| (unused.clone(), unused.clone(), 0, 0.0));
+    SegmentArgs::new(weight, bias.unwrap_or(unused), (t, b, scale), y)
 }
 
 /// One launch of `plan` over 1 to 3 segments into their `y` (or into `part` when split).
@@ -343,30 +319,9 @@ fn run(
     part: Handle,
 ) {
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
-    let width = plan.width();
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
-    let (cubes0, cubes1) = match segs.len() {
-        1 => (u32::MAX, u32::MAX),
-        _ => {
-            let c0 = seg(0).n / width;
-            (c0 as u32, (c0 + seg(1).n / width) as u32)
-        }
-    };
-    let mut buffers: Vec<Binding> = vec![x.clone().binding()];
-    for i in 0..3 {
-        let s = seg(i);
-        for h in [
-            &s.codes,
-            &s.scale_bytes,
-            &s.scale_table,
-            &s.bias,
-            &s.lora_t,
-            &s.lora_b,
-            &s.y,
-        ] {
-            buffers.push(h.clone().binding());
-        }
-    }
+    let (cubes0, cubes1) = cuda_source::segment_starts(segs, plan.width());
+    let mut buffers = cuda_source::segment_bindings(x, segs);
     buffers.push(part.binding());
     // `Info` of gemv_mma.cu: nine u32, then three f32.
     let scalars = [
@@ -426,7 +381,7 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     };
     let flags = (bias.is_some(), lora.is_some());
     let rank = lora.as_ref().map_or(0, |l| l.2);
-    let seg = SegmentArgs::new(weight, bias, lora, y.clone());
+    let seg = segment_args(weight, bias, lora, y.clone());
     if plan.splits == 1 {
         let part = weight.code_table.clone();
         run(
@@ -490,7 +445,7 @@ pub(crate) fn launch_segments<R: Runtime>(
         .iter()
         .map(|s| {
             let lora = s.lora.map(|(t, b, r, sc)| (t.clone(), b.clone(), r, sc));
-            SegmentArgs::new(s.weight, s.bias.cloned(), lora, s.y.clone())
+            segment_args(s.weight, s.bias.cloned(), lora, s.y.clone())
         })
         .collect();
     let part = first.code_table.clone();

@@ -1307,6 +1307,39 @@ pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::De
     }
 }
 
+/// `parts` (a product's unreduced K-slices, or `None` with the product in `y`) added in slice
+/// order from 0.0 and rounded to `F` once equal `reduced` bit for bit.
+#[allow(clippy::too_many_arguments)]
+fn assert_parts_add_up<R: Runtime, F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    what: &str,
+    parts: &Option<gemm::SplitParts>,
+    y: &Handle,
+    len: usize,
+    reduced: &[f64],
+    seed: u64,
+) {
+    let summed: Vec<f64> = match parts {
+        Some(p) => {
+            let v = f32::from_bytes(&c.read_one(p.parts.clone()).unwrap()).to_vec();
+            (0..len)
+                .map(|i| {
+                    let sum = (0..p.splits).fold(0.0f32, |a, s| a + v[s * len + i]);
+                    F::from(sum).unwrap().to_f64().unwrap()
+                })
+                .collect()
+        }
+        None => read::<R, F>(c, y),
+    };
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&summed),
+        bits(reduced),
+        "{what}: unreduced slices ({:?}) against the reduction, seed {seed}",
+        parts.as_ref().map(|p| p.splits)
+    );
+}
+
 /// The decode kernel (M <= 16 where the runtime has 32-wide warps; elsewhere the tiled kernel):
 /// M from 1 to 16 with bias and LoRA, unsplit and with forced K-slices that do not divide the
 /// reduction (K/32 = 65 chunks into 3 and 7 slices), rows not a multiple of the plane's 4, and
@@ -1405,25 +1438,7 @@ pub fn matmul_decode<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
                 let parts =
                     gemm::matmul_or_parts::<R, F>(&c, &xh, m, &dw, Some(&bh), Some(lora), &y2)
                         .unwrap();
-                let summed: Vec<f64> = match &parts {
-                    Some(p) => {
-                        let v = f32::from_bytes(&c.read_one(p.parts.clone()).unwrap()).to_vec();
-                        (0..m * n)
-                            .map(|i| {
-                                let sum = (0..p.splits).fold(0.0f32, |a, s| a + v[s * m * n + i]);
-                                F::from(sum).unwrap().to_f64().unwrap()
-                            })
-                            .collect()
-                    }
-                    None => read::<R, F>(&c, &y2),
-                };
-                let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&summed),
-                    bits(&reduced),
-                    "{what}: unreduced slices ({:?}) against the reduction, seed {seed}",
-                    parts.as_ref().map(|p| p.splits)
-                );
+                assert_parts_add_up::<R, F>(&c, &what, &parts, &y2, m * n, &reduced, seed);
                 // And without the epilogue, the plain product.
                 let y = poisoned::<R, F>(&c, m * n);
                 gemm::matmul::<R, F>(&c, &xh, m, &dw, None, None, &y).unwrap();
@@ -1519,25 +1534,7 @@ pub fn matmul_decode_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device,
                 let y2 = poisoned::<R, F>(&c, m * n);
                 let parts =
                     gemm::matmul_or_parts::<R, F>(&c, &xh, m, &dw, bias_h, lora(), &y2).unwrap();
-                let summed: Vec<f64> = match &parts {
-                    Some(p) => {
-                        let v = f32::from_bytes(&c.read_one(p.parts.clone()).unwrap()).to_vec();
-                        (0..m * n)
-                            .map(|i| {
-                                let sum = (0..p.splits).fold(0.0f32, |a, s| a + v[s * m * n + i]);
-                                F::from(sum).unwrap().to_f64().unwrap()
-                            })
-                            .collect()
-                    }
-                    None => read::<R, F>(&c, &y2),
-                };
-                let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&summed),
-                    bits(&reduced),
-                    "{what}: unreduced slices ({:?}) against the reduction, seed {seed}",
-                    parts.as_ref().map(|p| p.splits)
-                );
+                assert_parts_add_up::<R, F>(&c, &what, &parts, &y2, m * n, &reduced, seed);
             }
         }
     }

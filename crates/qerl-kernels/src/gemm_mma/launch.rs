@@ -456,7 +456,7 @@ impl Geometry {
         });
         #[cfg(feature = "cuda")]
         if super::warpgroup::runs(client, self) {
-            let seg = super::warpgroup::SegmentArgs::new(weight, bias, (t, b, scale), y.clone());
+            let seg = crate::cuda_source::SegmentArgs::new(weight, bias, (t, b, scale), y.clone());
             let out_f32 = O::as_type_native_unchecked() == f32::as_type_native_unchecked();
             let flags = (has_bias, has_lora, out_f32);
             super::warpgroup::launch(client, x, m, k, weight.block(), self, &[seg], flags, rank);

@@ -327,7 +327,7 @@ fn run<R: Runtime, F: Float, O: Float>(
     };
     #[cfg(feature = "cuda")]
     if super::warpgroup::runs(client, g) {
-        let wsegs: Vec<super::warpgroup::SegmentArgs> = segs
+        let wsegs: Vec<crate::cuda_source::SegmentArgs> = segs
             .iter()
             .map(|s| {
                 let (t, b, scale) = match s.lora {
@@ -336,7 +336,7 @@ fn run<R: Runtime, F: Float, O: Float>(
                 };
                 let bias = s.bias.filter(|_| has_bias).unwrap_or(&unused).clone();
                 let y = part.unwrap_or(s.y).clone();
-                super::warpgroup::SegmentArgs::new(s.weight, bias, (t, b, scale), y)
+                crate::cuda_source::SegmentArgs::new(s.weight, bias, (t, b, scale), y)
             })
             .collect();
         let out_f32 = part.is_some();

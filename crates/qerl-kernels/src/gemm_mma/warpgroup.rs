@@ -16,11 +16,10 @@
 //! bias, LoRA `T` and `B`, and `Y` of up to three weights); a single weight is one segment.
 
 use super::launch::Geometry;
-use crate::cuda_source;
-use crate::device::DeviceWeight;
+use crate::cuda_source::{self, SegmentArgs};
 use cubecl::features::Tma;
 use cubecl::prelude::*;
-use cubecl::server::{Binding, Handle};
+use cubecl::server::Handle;
 
 const SOURCE: &str = include_str!("warpgroup.cu");
 const ENTRY: &str = "qerl_wgmma_w4a16";
@@ -123,42 +122,6 @@ fn wgmma_step(n: usize) -> String {
     )
 }
 
-/// One weight's buffers and scalars as the kernel takes them.
-pub(crate) struct SegmentArgs {
-    pub codes: Handle,
-    pub scale_bytes: Handle,
-    pub scale_table: Handle,
-    pub bias: Handle,
-    pub lora_t: Handle,
-    pub lora_b: Handle,
-    pub y: Handle,
-    pub n: usize,
-    pub lora_scale: f32,
-}
-
-impl SegmentArgs {
-    /// `weight`'s codes and scales with its bias (any buffer when there is none), LoRA `T`, `B`
-    /// and scale (any buffers and 0 when there is none) and output `y`.
-    pub(crate) fn new(
-        weight: &DeviceWeight,
-        bias: Handle,
-        (lora_t, lora_b, lora_scale): (Handle, Handle, f32),
-        y: Handle,
-    ) -> Self {
-        SegmentArgs {
-            codes: weight.codes.clone(),
-            scale_bytes: weight.scale_bytes.clone(),
-            scale_table: weight.scale_table.clone(),
-            bias,
-            lora_t,
-            lora_b,
-            y,
-            n: weight.n,
-            lora_scale,
-        }
-    }
-}
-
 /// Launches the kernel for `g` (the staged kernel's tiles, grid and split) over 1 to 3
 /// segments, into f32 partial sums when `out_f32`, else bf16 outputs; `has_bias`, `has_lora`
 /// as the staged kernel's flags. The caller checked
@@ -192,31 +155,10 @@ pub(crate) fn launch<R: Runtime>(
         out_f32,
         segments: segs.len(),
     };
-    let width = 16 * g.warps;
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
     let n_total: usize = segs.iter().map(|s| s.n).sum();
-    let (cubes0, cubes1) = match segs.len() {
-        1 => (u32::MAX, u32::MAX),
-        _ => {
-            let c0 = seg(0).n / width;
-            (c0 as u32, (c0 + seg(1).n / width) as u32)
-        }
-    };
-    let mut buffers: Vec<Binding> = vec![x.clone().binding()];
-    for i in 0..3 {
-        let s = seg(i);
-        for hd in [
-            &s.codes,
-            &s.scale_bytes,
-            &s.scale_table,
-            &s.bias,
-            &s.lora_t,
-            &s.lora_b,
-            &s.y,
-        ] {
-            buffers.push(hd.clone().binding());
-        }
-    }
+    let (cubes0, cubes1) = cuda_source::segment_starts(segs, 16 * g.warps);
+    let buffers = cuda_source::segment_bindings(x, segs);
     // `Info` of warpgroup.cu: ten u32, then three f32.
     let words32: [u32; 13] = [
         m as u32,
