@@ -15,7 +15,7 @@
 
 use crate::device::DeviceWeight;
 use crate::gemm::{store_output, with_epilogue};
-use crate::splitk::{self, ReduceEpilogue};
+use crate::splitk;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -787,15 +787,7 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     if !split {
         return None;
     }
-    if keep_parts {
-        return Some((part, splits));
-    }
-    let epilogue = ReduceEpilogue {
-        bias: None,
-        lora: None,
-    };
-    splitk::reduce::<R, F, F>(client, part, splits, m, n, epilogue, y);
-    None
+    splitk::reduce_unless_kept::<R, F>(client, part, splits, m, n, y, keep_parts)
 }
 
 /// One product of [`launch_segments`]: a weight, its optional bias and LoRA epilogue

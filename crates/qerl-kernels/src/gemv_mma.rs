@@ -17,7 +17,7 @@
 use crate::cuda_source::{self, SegmentArgs};
 use crate::device::DeviceWeight;
 use crate::gemv::Segment;
-use crate::splitk::{self, ReduceEpilogue};
+use crate::splitk;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -382,44 +382,29 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     let flags = (bias.is_some(), lora.is_some());
     let rank = lora.as_ref().map_or(0, |l| l.2);
     let seg = segment_args(weight, bias, lora, y.clone());
-    if plan.splits == 1 {
-        let part = weight.code_table.clone();
-        run(
-            cuda,
-            x,
-            m,
-            k,
-            weight.block(),
-            &plan,
-            &[seg],
-            flags,
-            rank,
-            part,
-        );
-        return None;
-    }
-    let part = splitk::workspace(client, plan.splits, m, n);
+    let split = plan.splits > 1;
+    // Unsplit, `part` is never written: bound to the code table.
+    let part = match split {
+        true => splitk::workspace(client, plan.splits, m, n),
+        false => weight.code_table.clone(),
+    };
+    let block = weight.block();
     run(
         cuda,
         x,
         m,
         k,
-        weight.block(),
+        block,
         &plan,
         &[seg],
         flags,
         rank,
         part.clone(),
     );
-    if keep_parts {
-        return Some((part, plan.splits));
+    if !split {
+        return None;
     }
-    let epilogue = ReduceEpilogue {
-        bias: None,
-        lora: None,
-    };
-    splitk::reduce::<R, F, F>(client, part, plan.splits, m, n, epilogue, y);
-    None
+    splitk::reduce_unless_kept::<R, F>(client, part, plan.splits, m, n, y, keep_parts)
 }
 
 /// [`crate::gemv::launch_segments`] on this kernel, one unsplit launch (the caller checked

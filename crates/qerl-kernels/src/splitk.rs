@@ -171,6 +171,29 @@ fn vector_max_splits(default: usize) -> usize {
     .unwrap_or(default)
 }
 
+/// The end of a decode product split into `splits` K-slices (`parts`, slice 0 holding the
+/// epilogue terms): the slices and their count back to the caller when `keep` (`y` unwritten,
+/// see [`crate::gemm::matmul_or_parts`]), else their sum into `y` and `None`.
+pub(crate) fn reduce_unless_kept<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    parts: Handle,
+    splits: usize,
+    m: usize,
+    n: usize,
+    y: &Handle,
+    keep: bool,
+) -> Option<(Handle, usize)> {
+    if keep {
+        return Some((parts, splits));
+    }
+    let epilogue = ReduceEpilogue {
+        bias: None,
+        lora: None,
+    };
+    reduce::<R, F, F>(client, parts, splits, m, n, epilogue, y);
+    None
+}
+
 /// A workspace for `splits` partial products of `m x n` f32.
 pub(crate) fn workspace<R: Runtime>(
     client: &ComputeClient<R>,
