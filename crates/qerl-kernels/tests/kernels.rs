@@ -1056,6 +1056,53 @@ fn check_segment_outputs<R: Runtime, F: Float + CubeElement>(
     }
 }
 
+/// One segmented product of a decode test: the segments, the input on the device and rounded
+/// on the host, its rows, depth and LoRA rank.
+struct SegRun<'a> {
+    segs: &'a [SegCase],
+    xh: &'a Handle,
+    rx: &'a [f64],
+    m: usize,
+    k: usize,
+    rank: usize,
+}
+
+impl SegRun<'_> {
+    /// Runs the segments as one launch into poisoned outputs, with their bias and LoRA where
+    /// asked, and checks each against the reference; `false` where the launch was not taken.
+    fn check<R: Runtime, F: Float + CubeElement>(
+        &self,
+        c: &ComputeClient<R>,
+        what: &str,
+        (bias, lora): (bool, bool),
+        tol: f64,
+        seed: u64,
+    ) -> bool {
+        let (m, k, rank) = (self.m, self.k, self.rank);
+        let ys: Vec<Handle> = self
+            .segs
+            .iter()
+            .map(|s| poisoned::<R, F>(c, m * s.n))
+            .collect();
+        let p = seg_products(self.segs, &ys, bias, lora, rank);
+        if !gemm::matmul_segments::<R, F>(c, self.xh, m, &p).unwrap() {
+            return false;
+        }
+        check_segment_outputs::<R, F>(
+            c,
+            what,
+            self.segs,
+            &ys,
+            self.rx,
+            (m, k, rank),
+            (bias, lora),
+            tol,
+            seed,
+        );
+        true
+    }
+}
+
 /// Products sharing an input as one launch of the staged mma kernel (CUDA bf16): q/k/v-like
 /// (3 segments) and gate/up-like (2) at 9 to 256 rows, with and without bias, with LoRA of
 /// rank 16 on each and none, split-K forced to 3 and 1 slices and chosen; every segment's
@@ -1285,23 +1332,18 @@ pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::De
                     "decode segments {format} N={widths:?} K={k} k_planes={kp} \
                      bias={bias} lora={lora}"
                 );
-                let ys: Vec<Handle> = segs.iter().map(|s| poisoned::<R, F>(&c, m * s.n)).collect();
-                let p = seg_products(&segs, &ys, bias, lora, rank);
-                if !gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap() {
+                let case = SegRun {
+                    segs: &segs,
+                    xh: &xh,
+                    rx: &rx,
+                    m,
+                    k,
+                    rank,
+                };
+                if !case.check::<R, F>(&c, &what, (bias, lora), tol, seed) {
                     eprintln!("{what}: not taken here (no decode kernel on this runtime)");
                     return;
                 }
-                check_segment_outputs::<R, F>(
-                    &c,
-                    &what,
-                    &segs,
-                    &ys,
-                    &rx,
-                    (m, k, rank),
-                    (bias, lora),
-                    tol,
-                    seed,
-                );
             }
         }
     }
@@ -1556,23 +1598,17 @@ pub fn matmul_decode_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device,
                 let what = format!(
                     "decode mma segments {format} N={widths:?} K={k} M={m} bias={bias} lora={lora}"
                 );
-                let ys: Vec<Handle> = segs.iter().map(|s| poisoned::<R, F>(&c, m * s.n)).collect();
-                let p = seg_products(&segs, &ys, bias, lora, rank);
-                if !gemm::matmul_segments::<R, F>(&c, &xh, m, &p).unwrap() {
+                let case = SegRun {
+                    segs: &segs,
+                    xh: &xh,
+                    rx: &rx,
+                    m,
+                    k,
+                    rank,
+                };
+                if !case.check::<R, F>(&c, &what, (bias, lora), tol, seed) {
                     eprintln!("{what}: not taken here");
-                    continue;
                 }
-                check_segment_outputs::<R, F>(
-                    &c,
-                    &what,
-                    &segs,
-                    &ys,
-                    &rx,
-                    (m, k, rank),
-                    (bias, lora),
-                    tol,
-                    seed,
-                );
             }
         }
     }
