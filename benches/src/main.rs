@@ -52,6 +52,9 @@ struct Args {
     /// is written under target/autotune), tc (tensor-core kernel, tiles by cube count), cublas.
     #[arg(long, default_value = "tuned", value_parser = ["tuned", "tc", "cublas"])]
     strategy: String,
+    /// The strategies `strategies` times alone: tc, cublas.
+    #[arg(long, value_delimiter = ',', default_value = "tc,cublas")]
+    strategies: Vec<String>,
     /// Rows at which `old` times the tiled kernel.
     #[arg(long, value_delimiter = ',', default_value = "16,256,1024")]
     old_m: Vec<usize>,
@@ -289,9 +292,13 @@ fn run<R: Runtime>(device: &R::Device, args: &Args) -> Result<Vec<Row>> {
                     }
                     if want("strategies") && format == QuantFormat::Nvfp4 && m > 16 {
                         let tuned_or_default = gemm::strategy()?;
-                        let mut strategies = vec![(gemm::Strategy::TensorCores, "tc")];
+                        let alone = |name: &str| args.strategies.iter().any(|s| s == name);
+                        let mut strategies = Vec::new();
+                        if alone("tc") {
+                            strategies.push((gemm::Strategy::TensorCores, "tc"));
+                        }
                         let cublas = gemm::cublas_usable::<R, F>(&c);
-                        if cublas {
+                        if cublas && alone("cublas") {
                             strategies.push((gemm::Strategy::Cublas, "cublas"));
                         }
                         let dy = random_activations(&c, m * n, &mut rng);

@@ -122,6 +122,7 @@ fn device_blas(ordinal: usize) -> Result<Arc<DeviceBlas>, KernelError> {
         .new_stream()
         .map_err(|e| err(format!("CUDA stream: {e:?}")))?;
     let blas = CudaBlas::new(stream.clone()).map_err(|e| err(format!("cublasCreate: {e:?}")))?;
+    set_workspace(&ctx, &blas)?;
     let d = Arc::new(DeviceBlas {
         ctx,
         stream,
@@ -129,6 +130,39 @@ fn device_blas(ordinal: usize) -> Result<Arc<DeviceBlas>, KernelError> {
     });
     all.insert(ordinal, d.clone());
     Ok(d)
+}
+
+/// Gives the handle a workspace of its own, of NVIDIA's recommended size: 32 MiB from Hopper
+/// on, 4 MiB before (`QERL_CUBLAS_WORKSPACE_MB` overrides; 0 leaves cuBLAS's default). Without
+/// it, cuBLAS's heuristics skip the kernels that split K or stream tiles through a workspace,
+/// which are the fast ones where a product has about one wave of output tiles (a 7B o or q/k/v
+/// product at 1,024 rows). The memory lives as long as the process, as the handle does; only
+/// this handle's stream uses it, under the handle's lock.
+fn set_workspace(ctx: &CudaContext, blas: &CudaBlas) -> Result<(), KernelError> {
+    let mib = match std::env::var("QERL_CUBLAS_WORKSPACE_MB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        Some(mib) => mib,
+        None => match ctx.compute_capability() {
+            Ok((major, _)) if major >= 9 => 32,
+            _ => 4,
+        },
+    };
+    if mib == 0 {
+        return Ok(());
+    }
+    let bytes = mib << 20;
+    ctx.bind_to_thread()
+        .map_err(|e| err(format!("CUDA context: {e:?}")))?;
+    // SAFETY: a plain device allocation, kept for the life of the process (never freed: the
+    // handle that uses it is never destroyed either).
+    let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }
+        .map_err(|e| err(format!("cuBLAS workspace of {mib} MiB: {e:?}")))?;
+    // SAFETY: `ptr` is a live allocation of `bytes` bytes on the handle's device.
+    unsafe { sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut std::ffi::c_void, bytes) }
+        .result()
+        .map_err(|e| err(format!("cublasSetWorkspace: {e:?}")))
 }
 
 fn elem_bytes(t: sys::cudaDataType) -> usize {

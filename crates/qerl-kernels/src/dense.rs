@@ -102,8 +102,11 @@ pub fn widened_ld(k: usize, rank: usize, bias: bool) -> usize {
     (k + rank + usize::from(bias)).next_multiple_of(LD_ALIGN)
 }
 
-/// Unit `u` decodes `V` consecutive elements of one row (they share a word and a scale block:
-/// `V` divides 8) and stores them as one vector at row stride `ld`.
+/// Unit `u` decodes `8 · words` consecutive elements of one row (`words` code words under one
+/// scale: the host keeps `8 · words` a divisor of the block) and stores them as vectors of `V`
+/// at row stride `ld`. Why two words a unit:
+/// half the index arithmetic and scale reads per byte written, and twice the bytes in flight a
+/// thread, for a kernel whose only job is to write the dense weight at the copy bandwidth.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn dequant_rows_kernel<F: Float, V: Size>(
@@ -117,24 +120,33 @@ fn dequant_rows_kernel<F: Float, V: Size>(
     ld: u32,
     #[comptime] block: usize,
     #[comptime] byte_scales: bool,
+    #[comptime] words: usize,
 ) {
     let vs = out.vector_size();
     let u = linear_cube() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
-    let k_vecs = k as usize / vs;
-    if u < n as usize * k_vecs {
-        let row = u / k_vecs;
-        let col = (u % k_vecs) * vs;
+    let span = comptime!(8 * words);
+    let vectors = comptime!(8 / vs);
+    let k_spans = k as usize / span;
+    if u < n as usize * k_spans {
+        let row = u / k_spans;
+        let col = (u % k_spans) * span;
         let e0 = row * k as usize + col;
         let s = block_scale(scale_bytes, scale_table, e0 / block, byte_scales);
-        let word = codes[e0 / 8];
-        let shift = (e0 % 8) * 4;
-        let mut v = Vector::<F, V>::empty();
+        let base = (row * ld as usize + col) / vs;
         #[unroll]
-        for i in 0..vs {
-            let code = (word >> (shift + 4 * i) as u32) & 0xfu32;
-            v[i] = F::cast_from(code_table[code as usize] * s);
+        for wi in 0..words {
+            let word = codes[e0 / 8 + wi];
+            #[unroll]
+            for j in 0..vectors {
+                let mut v = Vector::<F, V>::empty();
+                #[unroll]
+                for i in 0..vs {
+                    let code = (word >> (4 * (j * vs + i)) as u32) & 0xfu32;
+                    v[i] = F::cast_from(code_table[code as usize] * s);
+                }
+                out[base + (8 * wi) / vs + j] = v;
+            }
         }
-        out[(row * ld as usize + col) / vs] = v;
     }
 }
 
@@ -222,9 +234,11 @@ pub fn dequantize_rows<R: Runtime, F: Float>(
         n * ld * std::mem::size_of::<F>(),
     )?;
     let vs = width::<R, F>(client);
-    let units = n * k / vs;
+    let words = dequant_words(weight.block(), k);
+    let units = n * k / (8 * words);
     // SAFETY: the kernel reads codes[n*k/8] and the scale buffers DeviceWeight::upload made,
-    // and writes out[n*ld] (checked above); K and ld are multiples of 8, so of vs.
+    // and writes out[n*ld] (checked above); K and ld are multiples of 8, so of vs, and
+    // `8 · words` divides K and the block.
     unsafe {
         dequant_rows_kernel::launch_unchecked::<F, R>(
             client,
@@ -241,9 +255,28 @@ pub fn dequantize_rows<R: Runtime, F: Float>(
             ld as u32,
             weight.block(),
             weight.byte_scales(),
+            words,
         );
     }
     Ok(())
+}
+
+/// Code words a unit of the decode takes: 2 (16 elements under one scale) where the block and
+/// `K` allow it, else 1. `QERL_DEQUANT_WORDS=1` forces one word (the earlier kernel's shape, for
+/// A/B runs).
+fn dequant_words(block: usize, k: usize) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("QERL_DEQUANT_WORDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    let want = forced.unwrap_or(2);
+    if want >= 2 && block.is_multiple_of(16) && k.is_multiple_of(16) {
+        2
+    } else {
+        1
+    }
 }
 
 /// The extra column after the rank columns of a widened operand.
