@@ -7,7 +7,8 @@
 #   cargo build --release -p qerl-bench --features cuda
 #   cargo test --release -p qerl-kernels --features cuda --test kernels --no-run
 #   mkdir -p .device-k/b && cp $CARGO_TARGET_DIR/release/qerl-kernel-bench .device-k/b/
-#   cp <deps>/kernels-<hash> .device-k/b/kernels && strip .device-k/b/*
+#   cp <deps>/kernels-<hash> .device-k/b/kernels (and <deps>/strategy_stress-<hash>, --test strategy_stress)
+#   strip .device-k/b/*
 #   tar czf .device-k/bins.tgz -C .device-k/b . && rm -r .device-k/b
 # there: bash tools/device_cublas_ab.sh
 # Env: VARIANTS ("name:VAR=v,VAR=v name2:" ...), M (1024,2048), MODELS (qwen2.5-7b,qwen2.5-32b),
@@ -26,6 +27,12 @@ if [ -n "$tests" ]; then
   echo "tests exit: $?"
   grep -E "^test |test result|panicked" "$out/tests.log" | tail -n 14
 fi
+if [ -x $dir/strategy_stress ] && [ "${T_STRESS:-150}" -gt 0 ]; then
+  echo "== strategy stress (chains of products from one and two threads, every strategy)"
+  timeout "${T_STRESS:-150}" $dir/strategy_stress --ignored --test-threads=1 > "$out/stress.log" 2>&1
+  echo "stress exit: $?"
+  grep -E "^test |test result|panicked" "$out/stress.log" | tail -n 8
+fi
 m=${M:-1024,2048}
 args=()
 for v in ${VARIANTS:-"old:QERL_CUBLAS_WORKSPACE_MB=0,QERL_DEQUANT_WORDS=1" "new:"}; do
@@ -36,7 +43,7 @@ for v in ${VARIANTS:-"old:QERL_CUBLAS_WORKSPACE_MB=0,QERL_DEQUANT_WORDS=1" "new:
   env ${vars//,/ } timeout 300 $dir/qerl-kernel-bench --models "${MODELS:-qwen2.5-7b,qwen2.5-32b}" \
     --formats nvfp4 --m "$m" --kernels strategies --strategies cublas --iters 10 --repeats 3 \
     --json "$out/q-$name.json" > "$out/bench-$name.log" 2>&1
-  echo "bench exit: $? ($((SECONDS - start)) s)"
+  echo "bench exit: $? ($((SECONDS - start)) s): $(tail -n 1 "$out/bench-$name.log")"
   args+=("$name=$out/q-$name.json")
 done
 if [ "${NCU:-0}" = 1 ]; then
@@ -65,3 +72,7 @@ PY
 fi
 echo "== table"
 timeout 200 python3 tools/cublas_ab_table.py "${args[@]}"
+if [ -n "$tests" ]; then
+  echo "== tests again (summary): $(grep -E "^test result" "$out/tests.log")"
+  grep -E "^test .*(FAILED|ok)$" "$out/tests.log" | tr '\n' ' ' | cut -c1-1500; echo
+fi

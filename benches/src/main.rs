@@ -419,9 +419,10 @@ fn main() -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     eprintln!(
-        "{} rows in {:.1?}",
+        "{} rows in {:.1?}; cuBLAS on cubecl's stream for {} stream(s)",
         rows.len(),
-        Duration::from_secs_f64(started.elapsed().as_secs_f64())
+        Duration::from_secs_f64(started.elapsed().as_secs_f64()),
+        qerl_kernels::blas::cubecl_streams_found()
     );
     Ok(())
 }

@@ -4,8 +4,8 @@
 //! Why: burn's matmul tunes every new shape bucket by compiling and timing about a dozen
 //! candidate kernels. On an H100 (2026-11-27, `tools/device_compile_census.sh`, a 7B-shaped
 //! NVFP4 GRPO step on empty caches) that was 156 of the 346 kernels the first step compiled and
-//! 284 of its 345 seconds. cuBLAS compiles nothing. It costs a host round trip per call,
-//! because cubecl does not expose its stream (see [`crate::cublas`]), so a caller with several
+//! 284 of its 345 seconds. cuBLAS compiles nothing. Where cubecl's stream cannot be found
+//! (see the `cublas` module) it costs a host round trip per call, so a caller with several
 //! products to run should pass them in one call.
 //!
 //! [`products`] returns `Ok(false)`, launching nothing, where cuBLAS cannot run them (not CUDA,
@@ -32,13 +32,23 @@ pub struct DenseProduct<'a> {
     pub alpha: f32,
 }
 
+/// How many cubecl streams cuBLAS runs on directly (found through CUPTI); 0 where every product
+/// is ordered through the host (not CUDA, CUPTI missing or taken, `QERL_CUBLAS_STREAM=host`).
+pub fn cubecl_streams_found() -> usize {
+    #[cfg(feature = "cuda")]
+    return crate::cubecl_stream::found();
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
 /// Whether [`products`] runs products of `F` on this client.
 pub fn available<R: Runtime, F: Float>(client: &ComputeClient<R>) -> bool {
     crate::tune::cublas_usable::<R, F>(client)
 }
 
 /// Runs `products` in order (a later one may read an earlier one's `C`), after everything
-/// queued on `client` so far; returns when they are done. `Ok(false)` where cuBLAS cannot run
+/// queued on `client` so far and before anything queued later (on cubecl's stream where it can
+/// be found, else through the host, returning when they are done). `Ok(false)` where cuBLAS cannot run
 /// products of `F` here (nothing launched).
 pub fn products<R: Runtime, F: Float>(
     client: &ComputeClient<R>,

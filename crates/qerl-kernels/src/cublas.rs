@@ -6,8 +6,11 @@
 //! product to cuBLAS wins. libcublas is loaded at run time (cudarc's dynamic loading, the same
 //! way cubecl-cuda loads the driver and NVRTC); without it this path reports itself unavailable.
 //!
-//! cubecl does not expose its CUDA stream, so the two sides are ordered through the host, in
-//! this order ([`run`]):
+//! Where cubecl's CUDA stream can be found ([`crate::cubecl_stream`], through CUPTI), the GEMMs
+//! are queued on it after the buffers' pointers are taken (`get_resource`, which flushes
+//! cubecl's queue and, for a buffer last used on another cubecl stream, queues a wait for it),
+//! and nobody waits. Otherwise (cubecl does not expose its stream) the two sides are ordered
+//! through the host, in this order ([`run`]):
 //! 1. take every buffer's device pointer (`get_resource`), which holds its memory and, for a
 //!    buffer last used on another cubecl stream (another host thread's `StreamId`), queues a wait
 //!    for that stream on the caller's;
@@ -30,6 +33,7 @@ use cubecl::server::Handle;
 use cudarc::cublas::{result as blas, sys, CudaBlas};
 use cudarc::driver::{CudaContext, CudaStream};
 
+use crate::cubecl_stream::StreamBlas;
 use crate::dense::{self, BlasShape, ExtraColumn};
 use crate::device::{DeviceWeight, KernelError};
 
@@ -122,7 +126,7 @@ fn device_blas(ordinal: usize) -> Result<Arc<DeviceBlas>, KernelError> {
         .new_stream()
         .map_err(|e| err(format!("CUDA stream: {e:?}")))?;
     let blas = CudaBlas::new(stream.clone()).map_err(|e| err(format!("cublasCreate: {e:?}")))?;
-    set_workspace(&ctx, &blas)?;
+    set_workspace(&ctx, *blas.handle())?;
     let d = Arc::new(DeviceBlas {
         ctx,
         stream,
@@ -138,7 +142,7 @@ fn device_blas(ordinal: usize) -> Result<Arc<DeviceBlas>, KernelError> {
 /// which are the fast ones where a product has about one wave of output tiles (a 7B o or q/k/v
 /// product at 1,024 rows). The memory lives as long as the process, as the handle does; only
 /// this handle's stream uses it, under the handle's lock.
-fn set_workspace(ctx: &CudaContext, blas: &CudaBlas) -> Result<(), KernelError> {
+fn set_workspace(ctx: &CudaContext, handle: sys::cublasHandle_t) -> Result<(), KernelError> {
     let mib = match std::env::var("QERL_CUBLAS_WORKSPACE_MB")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
@@ -160,7 +164,7 @@ fn set_workspace(ctx: &CudaContext, blas: &CudaBlas) -> Result<(), KernelError> 
     let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }
         .map_err(|e| err(format!("cuBLAS workspace of {mib} MiB: {e:?}")))?;
     // SAFETY: `ptr` is a live allocation of `bytes` bytes on the handle's device.
-    unsafe { sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut std::ffi::c_void, bytes) }
+    unsafe { sys::cublasSetWorkspace_v2(handle, ptr as *mut std::ffi::c_void, bytes) }
         .result()
         .map_err(|e| err(format!("cublasSetWorkspace: {e:?}")))
 }
@@ -215,8 +219,6 @@ pub(crate) fn run<R: Runtime>(
     let Some(&(first, _, _)) = launches.first() else {
         return Ok(());
     };
-    // 2. Everything that writes or last read these buffers has finished on the device.
-    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
     let mut ordinal: i32 = 0;
     // SAFETY: `first` is a live device allocation of cubecl's (held above); the attribute is an int.
     unsafe {
@@ -232,10 +234,21 @@ pub(crate) fn run<R: Runtime>(
     dev.ctx
         .bind_to_thread()
         .map_err(|e| err(format!("CUDA context: {e:?}")))?;
+    let on_stream = StreamBlas::find(client, ordinal as usize, |h| set_workspace(&dev.ctx, h))?;
+    if let Some(on_stream) = on_stream {
+        let bytes = held.iter().map(|r| r.resource().size).sum();
+        let held = held
+            .into_iter()
+            .map(|r| Box::new(r) as Box<dyn Send>)
+            .collect();
+        return on_stream.enqueue(held, bytes, |h| launch_all(h, gemms, &launches));
+    }
+    // 2. Everything that writes or last read these buffers has finished on the device.
+    cubecl::future::block_on(client.sync()).map_err(|e| err(format!("cubecl sync: {e:?}")))?;
     // 3. No cubecl call from here on: the device thread may need this lock (a tuning pass runs
     // the cuBLAS candidate there).
     let blas = dev.blas.lock().map_err(|_| err("cuBLAS handle poisoned"))?;
-    let launched = launch_all(&blas, gemms, &launches);
+    let launched = launch_all(*blas.handle(), gemms, &launches);
     let waited = dev
         .stream
         .synchronize()
@@ -257,7 +270,7 @@ fn op(transposed: bool) -> sys::cublasOperation_t {
 /// Queues the GEMMs on the handle's stream; stops at the first failure (the caller still waits
 /// for the ones already queued).
 fn launch_all(
-    blas: &CudaBlas,
+    handle: sys::cublasHandle_t,
     gemms: &[Gemm<'_>],
     pointers: &[(u64, u64, u64)],
 ) -> Result<(), KernelError> {
@@ -280,7 +293,7 @@ fn launch_all(
         unsafe {
             match g.batched {
                 None => blas::gemm_ex(
-                    *blas.handle(),
+                    handle,
                     op(s.trans_a),
                     op(s.trans_b),
                     s.m as i32,
@@ -302,7 +315,7 @@ fn launch_all(
                 )
                 .map_err(what)?,
                 Some(bt) => blas::gemm_strided_batched_ex(
-                    *blas.handle(),
+                    handle,
                     op(s.trans_a),
                     op(s.trans_b),
                     s.m as i32,

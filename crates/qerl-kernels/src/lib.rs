@@ -29,6 +29,8 @@
 pub mod attention;
 pub mod blas;
 #[cfg(feature = "cuda")]
+mod cubecl_stream;
+#[cfg(feature = "cuda")]
 mod cublas;
 #[cfg(feature = "cuda")]
 mod cuda_source;
