@@ -51,10 +51,20 @@ pub(crate) struct StreamBlas {
 struct State {
     handle: blas_sys::cublasHandle_t,
     stream: cu::CUstream,
-    /// GEMM batches in queue order: the event after them, what they hold, its bytes.
-    pending: VecDeque<(cu::CUevent, Vec<Box<dyn Send>>, u64)>,
+    /// GEMM batches in queue order.
+    pending: VecDeque<Pending>,
     held: u64,
 }
+
+/// One queued batch of GEMMs: the event after them, the buffers they read, their bytes.
+struct Pending {
+    event: cu::CUevent,
+    _held: Vec<Box<dyn Send>>,
+    bytes: u64,
+}
+
+/// Found streams by (device ordinal, cubecl `StreamId`); `None` where none can be found.
+type StreamTable = HashMap<(usize, u64), Option<Arc<StreamBlas>>>;
 
 // SAFETY: the handle, stream and events are used only under the mutex; CUDA objects may be
 // used from any thread once their context is current, which `enqueue`'s caller ensures.
@@ -68,8 +78,7 @@ impl StreamBlas {
         ordinal: usize,
         workspace: impl FnOnce(blas_sys::cublasHandle_t) -> Result<(), KernelError>,
     ) -> Result<Option<Arc<StreamBlas>>, KernelError> {
-        static FOUND: OnceLock<Mutex<HashMap<(usize, u64), Option<Arc<StreamBlas>>>>> =
-            OnceLock::new();
+        static FOUND: OnceLock<Mutex<StreamTable>> = OnceLock::new();
         if std::env::var("QERL_CUBLAS_STREAM").is_ok_and(|v| v == "host") {
             return Ok(None);
         }
@@ -126,7 +135,11 @@ impl StreamBlas {
         // SAFETY: a fresh event and cubecl's live stream.
         unsafe { cudarc::driver::result::event::record(event, s.stream) }
             .map_err(|e| err(format!("CUDA event record: {e:?}")))?;
-        s.pending.push_back((event, held, bytes));
+        s.pending.push_back(Pending {
+            event,
+            _held: held,
+            bytes,
+        });
         s.held += bytes;
         while s.held > HELD_LIMIT && s.pending.len() > 1 {
             s.release(true)?;
@@ -139,7 +152,7 @@ impl State {
     /// Drops the holds of finished batches, oldest first; with `wait`, waits for the oldest.
     fn release(&mut self, wait: bool) -> Result<(), KernelError> {
         let mut first = true;
-        while let Some(&(event, _, bytes)) = self.pending.front() {
+        while let Some(&Pending { event, bytes, .. }) = self.pending.front() {
             // SAFETY: `event` was created and recorded by `enqueue` and not yet destroyed.
             let done = if wait && first {
                 unsafe { cu::cuEventSynchronize(event) }.result().is_ok()
