@@ -23,7 +23,7 @@ date -u +"%F %T UTC"
 tests=${TESTS-cuda_bf16::dense_operands cuda_bf16::dequantize_all_formats cuda_bf16::blas_products cuda_f16::blas_products cuda_bf16::blas_ordering cuda_bf16::matmul_tensor_cores}
 if [ -n "$tests" ]; then
   echo "== tests: $tests"
-  timeout 300 $dir/kernels --ignored --test-threads=1 $tests > "$out/tests.log" 2>&1
+  QERL_EXPECT_CUBECL_STREAM=${QERL_EXPECT_CUBECL_STREAM:-1} timeout 300 $dir/kernels --ignored --test-threads=1 $tests > "$out/tests.log" 2>&1
   echo "tests exit: $?"
   grep -E "^test |test result|panicked" "$out/tests.log" | tail -n 14
 fi

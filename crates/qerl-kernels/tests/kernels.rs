@@ -621,6 +621,14 @@ pub fn blas_products<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
             seed,
         );
     }
+    // The device scripts set this where CUPTI is on the library path: the products above must
+    // then have run on cubecl's own stream, not silently on the host-ordered path.
+    if std::env::var("QERL_EXPECT_CUBECL_STREAM").is_ok_and(|v| v == "1") {
+        assert!(
+            blas::cubecl_streams_found() > 0,
+            "cuBLAS did not find cubecl's stream (CUPTI missing or taken?)"
+        );
+    }
 }
 
 /// cuBLAS ordered against cubecl's stream: per round, slow cubecl copies keep the stream busy, a
