@@ -25,6 +25,7 @@
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cubecl::cuda::CudaRuntime;
@@ -234,7 +235,10 @@ pub(crate) fn run<R: Runtime>(
     dev.ctx
         .bind_to_thread()
         .map_err(|e| err(format!("CUDA context: {e:?}")))?;
-    let on_stream = StreamBlas::find(client, ordinal as usize, |h| set_workspace(&dev.ctx, h))?;
+    let on_stream = match HOST_ORDERED.load(Ordering::Acquire) {
+        0 => StreamBlas::find(client, ordinal as usize, |h| set_workspace(&dev.ctx, h))?,
+        _ => None,
+    };
     if let Some(on_stream) = on_stream {
         let bytes = held.iter().map(|r| r.resource().size).sum();
         let held = held
@@ -257,6 +261,26 @@ pub(crate) fn run<R: Runtime>(
     // Only now may the pool hand these buffers to the next reservation.
     drop(held);
     launched.and(waited)
+}
+
+/// Callers inside [`host_ordered`]: while any runs, every crossing takes the host-ordered path.
+static HOST_ORDERED: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f` with cuBLAS ordered through the host (for every thread while it runs). The
+/// autotuner's products (`QERL_GEMM=tuned`) run this way: under it, with cuBLAS on cubecl's
+/// stream, the strategy stress test once read a `dX` that had not been written (H200,
+/// 2026-11-28, f16, M = 264; the cause was not found), while the default strategy passed every
+/// run. Tuning is opt-in and rare, so it keeps the path it was verified on.
+pub(crate) fn host_ordered<T>(f: impl FnOnce() -> T) -> T {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            HOST_ORDERED.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+    HOST_ORDERED.fetch_add(1, Ordering::AcqRel);
+    let _leave = Leave;
+    f()
 }
 
 fn op(transposed: bool) -> sys::cublasOperation_t {

@@ -325,6 +325,9 @@ fn tuned<R: Runtime, F: Float>(p: Product<R>) -> Result<(), KernelError> {
     });
     let client = p.client.clone();
     let id = R::name(&client).to_string();
+    #[cfg(feature = "cuda")]
+    crate::cublas::host_ordered(|| TUNER.execute(&id, &client, set, p));
+    #[cfg(not(feature = "cuda"))]
     TUNER.execute(&id, &client, set, p);
     Ok(())
 }
