@@ -35,7 +35,7 @@ if [ -x $dir/strategy_stress ] && [ "${T_STRESS:-150}" -gt 0 ]; then
 fi
 m=${M:-1024,2048}
 args=()
-for v in ${VARIANTS:-"old:QERL_CUBLAS_WORKSPACE_MB=0,QERL_DEQUANT_WORDS=1" "new:"}; do
+for v in ${VARIANTS:-"host:QERL_CUBLAS_STREAM=host" "stream:"}; do
   name=${v%%:*}
   vars=${v#*:}
   echo "== bench $name (${vars:-defaults})"
@@ -48,7 +48,7 @@ for v in ${VARIANTS:-"old:QERL_CUBLAS_WORKSPACE_MB=0,QERL_DEQUANT_WORDS=1" "new:
 done
 if [ "${NCU:-0}" = 1 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
-  for v in ${VARIANTS:-"old:QERL_CUBLAS_WORKSPACE_MB=0,QERL_DEQUANT_WORDS=1" "new:"}; do
+  for v in ${VARIANTS:-"host:QERL_CUBLAS_STREAM=host" "stream:"}; do
     name=${v%%:*}
     vars=${v#*:}
     echo "== ncu $name: qerl's GEMMs, 7B, M 1024 (name, us)"

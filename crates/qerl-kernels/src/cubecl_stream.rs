@@ -76,7 +76,6 @@ impl StreamBlas {
     pub(crate) fn find(
         client: &ComputeClient<CudaRuntime>,
         ordinal: usize,
-        workspace: impl FnOnce(blas_sys::cublasHandle_t) -> Result<(), KernelError>,
     ) -> Result<Option<Arc<StreamBlas>>, KernelError> {
         static FOUND: OnceLock<Mutex<StreamTable>> = OnceLock::new();
         if std::env::var("QERL_CUBLAS_STREAM").is_ok_and(|v| v == "host") {
@@ -97,7 +96,6 @@ impl StreamBlas {
                 // SAFETY: a live handle and cubecl's live stream of the current context.
                 unsafe { blas::set_stream(handle, stream as _) }
                     .map_err(|e| err(format!("cublasSetStream: {e:?}")))?;
-                workspace(handle)?;
                 Some(Arc::new(StreamBlas {
                     state: Mutex::new(State {
                         handle,

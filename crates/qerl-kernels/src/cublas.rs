@@ -20,6 +20,12 @@
 //!    device's lock (one cuBLAS handle and stream serve every thread) and wait for them, also
 //!    when a launch fails, before any pointer is released to cubecl's pool.
 //!
+//! The handles keep cuBLAS's default workspace. A 32 MiB one of our own (NVIDIA's advice for
+//! Hopper, what torch sets) changed no kernel choice on the update's shapes, and with it the
+//! strategy stress test read non-finite f16 outputs at 264 rows on both paths (H200,
+//! 2026-11-28: three of seven runs of its f16 test failed with it, none of three on cubecl's
+//! stream without it).
+//!
 //! The autotuner times these syncs as part of the strategy, so it is picked only where it still
 //! wins.
 
@@ -127,7 +133,6 @@ fn device_blas(ordinal: usize) -> Result<Arc<DeviceBlas>, KernelError> {
         .new_stream()
         .map_err(|e| err(format!("CUDA stream: {e:?}")))?;
     let blas = CudaBlas::new(stream.clone()).map_err(|e| err(format!("cublasCreate: {e:?}")))?;
-    set_workspace(&ctx, *blas.handle())?;
     let d = Arc::new(DeviceBlas {
         ctx,
         stream,
@@ -135,39 +140,6 @@ fn device_blas(ordinal: usize) -> Result<Arc<DeviceBlas>, KernelError> {
     });
     all.insert(ordinal, d.clone());
     Ok(d)
-}
-
-/// Gives the handle a workspace of its own, of NVIDIA's recommended size: 32 MiB from Hopper
-/// on, 4 MiB before (`QERL_CUBLAS_WORKSPACE_MB` overrides; 0 leaves cuBLAS's default). Without
-/// it, cuBLAS's heuristics skip the kernels that split K or stream tiles through a workspace,
-/// which are the fast ones where a product has about one wave of output tiles (a 7B o or q/k/v
-/// product at 1,024 rows). The memory lives as long as the process, as the handle does; only
-/// this handle's stream uses it, under the handle's lock.
-fn set_workspace(ctx: &CudaContext, handle: sys::cublasHandle_t) -> Result<(), KernelError> {
-    let mib = match std::env::var("QERL_CUBLAS_WORKSPACE_MB")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        Some(mib) => mib,
-        None => match ctx.compute_capability() {
-            Ok((major, _)) if major >= 9 => 32,
-            _ => 4,
-        },
-    };
-    if mib == 0 {
-        return Ok(());
-    }
-    let bytes = mib << 20;
-    ctx.bind_to_thread()
-        .map_err(|e| err(format!("CUDA context: {e:?}")))?;
-    // SAFETY: a plain device allocation, kept for the life of the process (never freed: the
-    // handle that uses it is never destroyed either).
-    let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }
-        .map_err(|e| err(format!("cuBLAS workspace of {mib} MiB: {e:?}")))?;
-    // SAFETY: `ptr` is a live allocation of `bytes` bytes on the handle's device.
-    unsafe { sys::cublasSetWorkspace_v2(handle, ptr as *mut std::ffi::c_void, bytes) }
-        .result()
-        .map_err(|e| err(format!("cublasSetWorkspace: {e:?}")))
 }
 
 fn elem_bytes(t: sys::cudaDataType) -> usize {
@@ -236,7 +208,7 @@ pub(crate) fn run<R: Runtime>(
         .bind_to_thread()
         .map_err(|e| err(format!("CUDA context: {e:?}")))?;
     let on_stream = match HOST_ORDERED.load(Ordering::Acquire) {
-        0 => StreamBlas::find(client, ordinal as usize, |h| set_workspace(&dev.ctx, h))?,
+        0 => StreamBlas::find(client, ordinal as usize)?,
         _ => None,
     };
     if let Some(on_stream) = on_stream {
@@ -267,10 +239,11 @@ pub(crate) fn run<R: Runtime>(
 static HOST_ORDERED: AtomicUsize = AtomicUsize::new(0);
 
 /// Runs `f` with cuBLAS ordered through the host (for every thread while it runs). The
-/// autotuner's products (`QERL_GEMM=tuned`) run this way: under it, with cuBLAS on cubecl's
-/// stream, the strategy stress test once read a `dX` that had not been written (H200,
-/// 2026-11-28, f16, M = 264; the cause was not found), while the default strategy passed every
-/// run. Tuning is opt-in and rare, so it keeps the path it was verified on.
+/// autotuner's products (`QERL_GEMM=tuned`) run this way: they were verified on that path, and
+/// the one failure seen under them with cuBLAS on cubecl's stream (H200, 2026-11-28, f16,
+/// M = 264) came with a 32 MiB cuBLAS workspace that was later found to corrupt f16 products
+/// on the host-ordered path too (the workspace is gone; see the module doc). Tuning is opt-in
+/// and rare, so it keeps the path it was verified on until it is run again on a GPU.
 pub(crate) fn host_ordered<T>(f: impl FnOnce() -> T) -> T {
     struct Leave;
     impl Drop for Leave {
