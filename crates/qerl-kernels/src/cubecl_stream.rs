@@ -17,9 +17,9 @@
 //! path.
 //!
 //! Memory: the caller's buffers are held (cubecl's `ManagedResource`, which keeps the pool from
-//! handing them out again) until an event recorded after the GEMMs has completed; [`StreamBlas::
-//! enqueue`] releases the finished ones on each call and waits for the oldest when more than
-//! [`HELD_LIMIT`] bytes are held. Within one cubecl stream the pool's reuse is ordered after the
+//! handing them out again) until an event recorded after the GEMMs has completed;
+//! [`StreamBlas::enqueue`] releases the finished ones on each call and waits for the oldest when
+//! more than [`HELD_LIMIT`] bytes are held. Within one cubecl stream the pool's reuse is ordered after the
 //! GEMMs anyway; the hold covers buffers owned by another thread's stream.
 
 use std::collections::{HashMap, VecDeque};

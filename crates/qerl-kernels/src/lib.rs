@@ -7,7 +7,8 @@
 //!   split-K where the output alone would not fill the device); and the
 //!   backward product `dX[M,K] = dY[M,N] · deq(W)[N,K]`. Above the decode kernel's rows the
 //!   [`gemm::Strategy`] decides: by default the `mma` kernel for decode batches, the tensor-core
-//!   kernel, and dequantize + cuBLAS ([`dense`] operands, the CUDA-only `cublas` module) from
+//!   kernel, and dequantize + cuBLAS ([`dense`] operands, the CUDA-only `cublas` module, queued
+//!   on cubecl's own stream where CUPTI finds it: `cubecl_stream`) from
 //!   [`gemm::cublas_min_m`] rows; or one of them alone, or CubeCL's autotuner (`QERL_GEMM`).
 //! * [`attention`]: fused causal attention with per-row key ranges (padding) and grouped-query
 //!   heads, forward (saving the log-sum-exp per query) and backward, flash-attention style.
