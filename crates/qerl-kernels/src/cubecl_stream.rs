@@ -78,7 +78,8 @@ impl StreamBlas {
         ordinal: usize,
     ) -> Result<Option<Arc<StreamBlas>>, KernelError> {
         static FOUND: OnceLock<Mutex<StreamTable>> = OnceLock::new();
-        if std::env::var("QERL_CUBLAS_STREAM").is_ok_and(|v| v == "host") {
+        static HOST: OnceLock<bool> = OnceLock::new();
+        if *HOST.get_or_init(|| std::env::var("QERL_CUBLAS_STREAM").is_ok_and(|v| v == "host")) {
             return Ok(None);
         }
         let key = (ordinal, cubecl::stream_id::StreamId::current().value);

@@ -1066,16 +1066,44 @@ fn check_segment_outputs<R: Runtime, F: Float + CubeElement>(
 
 /// One segmented product of a decode test: the segments, the input on the device and rounded
 /// on the host, its rows, depth and LoRA rank.
-struct SegRun<'a> {
-    segs: &'a [SegCase],
-    xh: &'a Handle,
-    rx: &'a [f64],
+struct SegRun {
+    segs: Vec<SegCase>,
+    xh: Handle,
+    rx: Vec<f64>,
     m: usize,
     k: usize,
     rank: usize,
 }
 
-impl SegRun<'_> {
+impl SegRun {
+    /// A random input of `m` rows by `k` and one random segment ([`seg_case`]) per width.
+    #[allow(clippy::too_many_arguments)]
+    fn new<R: Runtime, F: Float + CubeElement>(
+        c: &ComputeClient<R>,
+        rng: &mut StdRng,
+        format: QuantFormat,
+        widths: &[usize],
+        m: usize,
+        k: usize,
+        rank: usize,
+    ) -> Self {
+        let x = normal(rng, m * k, 1.0);
+        let xh = upload::<R, F>(c, &x);
+        let rx = rounded::<F>(&x);
+        let segs = widths
+            .iter()
+            .map(|&n| seg_case::<R, F>(c, rng, format, m, n, k, &xh, rank))
+            .collect();
+        SegRun {
+            segs,
+            xh,
+            rx,
+            m,
+            k,
+            rank,
+        }
+    }
+
     /// Runs the segments as one launch into poisoned outputs, with their bias and LoRA where
     /// asked, and checks each against the reference; `false` where the launch was not taken.
     fn check<R: Runtime, F: Float + CubeElement>(
@@ -1092,16 +1120,16 @@ impl SegRun<'_> {
             .iter()
             .map(|s| poisoned::<R, F>(c, m * s.n))
             .collect();
-        let p = seg_products(self.segs, &ys, bias, lora, rank);
-        if !gemm::matmul_segments::<R, F>(c, self.xh, m, &p).unwrap() {
+        let p = seg_products(&self.segs, &ys, bias, lora, rank);
+        if !gemm::matmul_segments::<R, F>(c, &self.xh, m, &p).unwrap() {
             return false;
         }
         check_segment_outputs::<R, F>(
             c,
             what,
-            self.segs,
+            &self.segs,
             &ys,
-            self.rx,
+            &self.rx,
             (m, k, rank),
             (bias, lora),
             tol,
@@ -1326,13 +1354,7 @@ pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::De
         (QuantFormat::Nvfp4, &[300, 36, 36], 4096),
     ];
     for (format, widths, k) in cases {
-        let x = normal(&mut rng, m * k, 1.0);
-        let xh = upload::<R, F>(&c, &x);
-        let rx = rounded::<F>(&x);
-        let segs: Vec<SegCase> = widths
-            .iter()
-            .map(|&n| seg_case::<R, F>(&c, &mut rng, format, m, n, k, &xh, rank))
-            .collect();
+        let case = SegRun::new::<R, F>(&c, &mut rng, format, widths, m, k, rank);
         for kp in [0, 1, 2, 4] {
             let _kp = KPlanesGuard::set(kp);
             for (bias, lora) in [(true, true), (false, false)] {
@@ -1340,14 +1362,6 @@ pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::De
                     "decode segments {format} N={widths:?} K={k} k_planes={kp} \
                      bias={bias} lora={lora}"
                 );
-                let case = SegRun {
-                    segs: &segs,
-                    xh: &xh,
-                    rx: &rx,
-                    m,
-                    k,
-                    rank,
-                };
                 if !case.check::<R, F>(&c, &what, (bias, lora), tol, seed) {
                     eprintln!("{what}: not taken here (no decode kernel on this runtime)");
                     return;
@@ -1595,25 +1609,11 @@ pub fn matmul_decode_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device,
     ];
     for (format, widths, k) in seg_cases {
         for m in [1, 5] {
-            let x = normal(&mut rng, m * k, 1.0);
-            let xh = upload::<R, F>(&c, &x);
-            let rx = rounded::<F>(&x);
-            let segs: Vec<SegCase> = widths
-                .iter()
-                .map(|&n| seg_case::<R, F>(&c, &mut rng, format, m, n, k, &xh, rank))
-                .collect();
+            let case = SegRun::new::<R, F>(&c, &mut rng, format, widths, m, k, rank);
             for (bias, lora) in [(true, true), (false, false)] {
                 let what = format!(
                     "decode mma segments {format} N={widths:?} K={k} M={m} bias={bias} lora={lora}"
                 );
-                let case = SegRun {
-                    segs: &segs,
-                    xh: &xh,
-                    rx: &rx,
-                    m,
-                    k,
-                    rank,
-                };
                 if !case.check::<R, F>(&c, &what, (bias, lora), tol, seed) {
                     eprintln!("{what}: not taken here");
                 }
