@@ -16,12 +16,15 @@
 //   WARPS (4 or 8), M_TILES (1..8: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
 //   DEPTH (chunks of codes in flight, 1..4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
 //   SEGMENTS (1..3), MIN_CUBES (cubes a multiprocessor must hold: caps the registers), LBO,
-//   SBO (descriptor strides), STAGES, and `wgmma_step` for this N in place of the marker below.
+//   SBO (descriptor strides), STAGES, SYNC_CHUNKS, and `wgmma_step` for this N in place of the
+//   marker below.
 //
 // Codes and scales in flight: with STAGES = 0, DEPTH chunks in registers (a ring whose moves
 // wait on the loads they move); with STAGES >= 2, a ring of STAGES chunks in shared memory,
 // each lane copying its own codes and scale words there with `cp.async` (so no barrier guards
 // the ring, and nothing in flight holds a register), and `X` loaded two chunks ahead.
+// SYNC_CHUNKS = 2 (with STAGES = 0): two chunks between barriers, `X` in two pairs of buffers,
+// each pair's codes loaded into the slots the pair before has just used (no ring moves).
 //
 // Shared memory: `X` of one chunk (N tokens x 64) as 8x8 core matrices (128 bytes: 8 tokens x
 // 8 values), core `((nb*4 + s)*2 + kh)` holding tokens `8nb..8nb+8` at the logical columns
@@ -152,7 +155,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     const float* __restrict__ lora_t2, const u32* __restrict__ lora_b2, out_t* y2,
     const Info info) {
     __shared__ float stab[256];
-    __shared__ __align__(128) u32 xs[2 * BUF_WORDS];
+#if SYNC_CHUNKS == 2 && !STAGES
+#define X_BUFS 4
+#else
+#define X_BUFS 2
+#endif
+    __shared__ __align__(128) u32 xs[X_BUFS * BUF_WORDS];
 #if STAGES
     // Each lane's codes (rows g, g + 8) and scale words of STAGES chunks: only it reads them.
     __shared__ __align__(16) u32x2 ring_codes[STAGES][2][THREADS];
@@ -342,6 +350,54 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     for (int c = c0; c < c1; c += 2) {
         RING_CHUNK(c, 0, xa);
         if (c + 1 < c1) RING_CHUNK(c + 1, 1, xb);
+    }
+#elif SYNC_CHUNKS == 2
+    // Chunks c, c + 1 on `X` buffers 2p, 2p + 1 (pair p); the next pair's `X` from xp, xq.
+    u32x4 xp[per], xq[per];
+    LOAD_X(xp, c0);
+    STORE_X(0, xp);
+    LOAD_X(xq, c0 + 1);
+    STORE_X(1, xq);
+    LOAD_X(xp, c0 + 2);
+    LOAD_X(xq, c0 + 3);
+    u32x2 wq[2][2];
+    u32 sq[2][2];
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+        const int c = imin(c0 + d, last_chunk);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            wq[d][h] = codes[row_pair0[h] + c * 4];
+            sq[d][h] = scale_bytes[(row_block0[h] + c * (CHUNK / BLOCK)) >> 2];
+        }
+    }
+
+    fence_proxy_async();
+    __syncthreads();
+
+    const u32 xs_base = smem_addr(xs);
+    int pair = 0;
+    for (int c = c0; c < c1; c += 2) {
+        const u32x2 a0 = wq[0][0], a1 = wq[0][1], b0 = wq[1][0], b1 = wq[1][1];
+        const u32 s0 = sq[0][0], s1 = sq[0][1], t0 = sq[1][0], t1 = sq[1][1];
+#pragma unroll
+        for (int d = 0; d < 2; ++d) {
+            const int cn = imin(c + 2 + d, last_chunk);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                wq[d][h] = codes[row_pair0[h] + cn * 4];
+                sq[d][h] = scale_bytes[(row_block0[h] + cn * (CHUNK / BLOCK)) >> 2];
+            }
+        }
+        MMA_CHUNK(c, 2 * pair, a0, a1, s0, s1);
+        if (c + 1 < c1) MMA_CHUNK(c + 1, 2 * pair + 1, b0, b1, t0, t1);
+        // The next pair into the other buffers (their readers, the pair before, have finished).
+        STORE_X(2 * (1 - pair), xp);
+        STORE_X(2 * (1 - pair) + 1, xq);
+        LOAD_X(xp, c + 4);
+        LOAD_X(xq, c + 5);
+        END_CHUNK();
+        pair ^= 1;
     }
 #else
     u32x4 xr[per];

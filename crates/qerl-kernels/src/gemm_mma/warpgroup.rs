@@ -63,6 +63,8 @@ pub(crate) struct Config {
     pub segments: usize,
     /// Chunks of codes in flight in shared memory ([`stages`]); 0: `depth` in registers.
     pub stages: usize,
+    /// Chunks between two barriers, 1 or 2 ([`sync_chunks`]; 2 with the register ring only).
+    pub sync_chunks: usize,
 }
 
 impl Config {
@@ -90,6 +92,7 @@ impl Config {
             ("LBO", lbo),
             ("SBO", sbo),
             ("STAGES", self.stages),
+            ("SYNC_CHUNKS", self.sync_chunks),
         ]);
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
@@ -97,7 +100,7 @@ impl Config {
 }
 
 /// Chunks of codes and scales in flight in shared memory by default (the `cp.async` ring).
-pub(crate) const DEFAULT_STAGES: usize = 4;
+pub(crate) const DEFAULT_STAGES: usize = 0;
 
 /// Bytes of static shared memory a cube may take (CUDA's limit without opting in).
 const STATIC_SHARED_BYTES: usize = 48 * 1024;
@@ -123,6 +126,22 @@ pub(crate) fn stages(warps: usize, m_tiles: usize) -> usize {
         fit if fit < 2 => 0,
         fit => want.min(fit),
     }
+}
+
+/// Chunks between barriers by default.
+pub(crate) const DEFAULT_SYNC_CHUNKS: usize = 1;
+
+/// `QERL_WGMMA_SYNC` (1 or 2, read once) or [`DEFAULT_SYNC_CHUNKS`]: two chunks a barrier and a
+/// wait on the tensor cores, `X` in four buffers (32 KiB at 64 tokens).
+pub(crate) fn sync_chunks() -> usize {
+    static KNOB: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *KNOB.get_or_init(|| {
+        std::env::var("QERL_WGMMA_SYNC")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|v| [1, 2].contains(v))
+            .unwrap_or(DEFAULT_SYNC_CHUNKS)
+    })
 }
 
 /// `(LBO, SBO)` of the `X` descriptor in bytes (a K-major operand without swizzle): 128 between
@@ -187,6 +206,7 @@ pub(crate) fn launch<R: Runtime>(
         out_f32,
         segments: segs.len(),
         stages: stages(g.warps, g.m_tiles),
+        sync_chunks: sync_chunks(),
     };
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
     let n_total: usize = segs.iter().map(|s| s.n).sum();
@@ -260,6 +280,7 @@ mod tests {
             out_f32: true,
             segments: 2,
             stages: 4,
+            sync_chunks: 1,
         };
         let s = c.source();
         for d in [
@@ -275,6 +296,7 @@ mod tests {
             "LBO 128",
             "SBO 1024",
             "STAGES 4",
+            "SYNC_CHUNKS 1",
         ] {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }
