@@ -16,15 +16,7 @@
 //   WARPS (4 or 8), M_TILES (1..8: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
 //   DEPTH (chunks of codes in flight, 1..4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
 //   SEGMENTS (1..3), MIN_CUBES (cubes a multiprocessor must hold: caps the registers), LBO,
-//   SBO (descriptor strides), STAGES, SYNC_CHUNKS, and `wgmma_step` for this N in place of the
-//   marker below.
-//
-// Codes and scales in flight: with STAGES = 0, DEPTH chunks in registers (a ring whose moves
-// wait on the loads they move); with STAGES >= 2, a ring of STAGES chunks in shared memory,
-// each lane copying its own codes and scale words there with `cp.async` (so no barrier guards
-// the ring, and nothing in flight holds a register), and `X` loaded two chunks ahead.
-// SYNC_CHUNKS = 2 (with STAGES = 0): two chunks between barriers, `X` in two pairs of buffers,
-// each pair's codes loaded into the slots the pair before has just used (no ring moves).
+//   SBO (descriptor strides), and `wgmma_step` for this N in place of the marker below.
 //
 // Shared memory: `X` of one chunk (N tokens x 64) as 8x8 core matrices (128 bytes: 8 tokens x
 // 8 values), core `((nb*4 + s)*2 + kh)` holding tokens `8nb..8nb+8` at the logical columns
@@ -114,23 +106,6 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-#if STAGES
-// Asynchronous copies of 8 and 4 bytes into shared memory (L1-allocating: `.cg` takes 16 bytes
-// only), grouped by commit; `wait_ring` lets the newest STAGES - 2 groups stay in flight.
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void wait_ring() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
-}
-#endif
-
 // d += A*B for one m16n8k16 tile (the LoRA steps).
 __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
     asm volatile(
@@ -155,17 +130,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     const float* __restrict__ lora_t2, const u32* __restrict__ lora_b2, out_t* y2,
     const Info info) {
     __shared__ float stab[256];
-#if SYNC_CHUNKS == 2 && !STAGES
-#define X_BUFS 4
-#else
-#define X_BUFS 2
-#endif
-    __shared__ __align__(128) u32 xs[X_BUFS * BUF_WORDS];
-#if STAGES
-    // Each lane's codes (rows g, g + 8) and scale words of STAGES chunks: only it reads them.
-    __shared__ __align__(16) u32x2 ring_codes[STAGES][2][THREADS];
-    __shared__ u32 ring_scales[STAGES][2][THREADS];
-#endif
+    __shared__ __align__(128) u32 xs[2 * BUF_WORDS];
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -229,12 +194,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         x_off[u] = tok * (k_dim / 8) + 2 * tt + w;
         st_off[u] = ((nb * 4 + 2 * w) * 2) * 32 + nlo * 4 + tt;
     }
-    // Stores the chunk in `XR` into buffer `b`: word q of a group (values q%4 and q%4 + 4 of
-    // its 8, see the layout above) goes to core `base + q`.
-#define STORE_X(b, XR)                                                                   \
+    u32x4 xr[per];
+#pragma unroll
+    for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c0, last_chunk) * 8];
+    // Stores the chunk in `xr` into buffer `b`: word q of a group (values q%4 and q%4 + 4 of its
+    // 8, see the layout above) goes to core `base + q`.
+#define STORE_X(b)                                                                       \
     _Pragma("unroll") for (int u = 0; u < per; ++u) {                                   \
         if (st_ok[u]) {                                                                  \
-            const u32x4 v = XR[u];                                                       \
+            const u32x4 v = xr[u];                                                       \
             u32* dst = xs + (b) * BUF_WORDS + st_off[u];                                 \
             dst[0] = (v.x & 0xffffu) | (v.z << 16);                                      \
             dst[32] = (v.x >> 16) | (v.z & 0xffff0000u);                                 \
@@ -242,8 +210,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
             dst[96] = (v.y >> 16) | (v.w & 0xffff0000u);                                 \
         }                                                                                \
     }
-#define LOAD_X(XR, c)                                                                    \
-    _Pragma("unroll") for (int u = 0; u < per; ++u) XR[u] = x[x_off[u] + imin(c, last_chunk) * 8];
+    STORE_X(0);
+#pragma unroll
+    for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c0 + 1, last_chunk) * 8];
 
     // Rows g and g + 8 of this warp's 16 (a row past N reads row N - 1; never stored).
     // 32-bit offsets (a weight of up to 2^32 codes): the row's 8-byte code pair and block at
@@ -255,155 +224,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         row_pair0[h] = n * (u32)(k_dim / 16) + t;
         row_block0[h] = (n * (u32)k_dim + 16 * t) / BLOCK;
     }
-
-    float acc[N_TOK / 2];
-#pragma unroll
-    for (int i = 0; i < N_TOK / 2; ++i) acc[i] = 0.0f;
-
-    // Chunk c's codes (w0, w1: rows g, g + 8) and scale words (s0, s1) as the four `A`
-    // registers of each of its 16-deep steps, then the steps on buffer `b` of `X`.
-#define MMA_CHUNK(c, b, w0, w1, s0, s1)                                                  \
-    {                                                                                    \
-        u32 sc[2];                                                                       \
-        {                                                                                \
-            const u32 b0 = row_block0[0] + (c) * (CHUNK / BLOCK);                        \
-            const u32 b1 = row_block0[1] + (c) * (CHUNK / BLOCK);                        \
-            const u32 byte0 = ((s0) >> ((b0 & 3) * 8)) & 0xffu;                          \
-            const u32 byte1 = ((s1) >> ((b1 & 3) * 8)) & 0xffu;                          \
-            const u32 h0 = bf16_of(stab[byte0] * TWO_POW_63);                            \
-            const u32 h1 = bf16_of(stab[byte1] * TWO_POW_63);                            \
-            sc[0] = h0 | (h0 << 16);                                                     \
-            sc[1] = h1 | (h1 << 16);                                                     \
-        }                                                                                \
-        u32 a[4][4];                                                                     \
-        _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                 \
-            const int i0 = 2 * (s % 2);                                                  \
-            const u32 wg = (s / 2) ? (w0).y : (w0).x;                                    \
-            const u32 wg8 = (s / 2) ? (w1).y : (w1).x;                                   \
-            a[s][0] = mul_bf16x2(spread_bits(wg, i0), sc[0]);                            \
-            a[s][1] = mul_bf16x2(spread_bits(wg8, i0), sc[1]);                           \
-            a[s][2] = mul_bf16x2(spread_bits(wg, i0 + 1), sc[0]);                        \
-            a[s][3] = mul_bf16x2(spread_bits(wg8, i0 + 1), sc[1]);                       \
-        }                                                                                \
-        _Pragma("unroll") for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);    \
-        wgmma_fence();                                                                   \
-        _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                 \
-            const u64 desc = smem_desc(xs_base + ((b) * BUF_WORDS + s * 2 * 32) * 4);     \
-            wgmma_step(acc, a[s][0], a[s][1], a[s][2], a[s][3], desc);                   \
-        }                                                                                \
-        wgmma_commit();                                                                  \
-    }
-    // The end of a chunk: its steps done, `X`'s next buffer visible to the tensor cores.
-#define END_CHUNK()                                                                      \
-    {                                                                                    \
-        wgmma_wait_all();                                                                \
-        _Pragma("unroll") for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);    \
-        fence_proxy_async();                                                             \
-        __syncthreads();                                                                 \
-    }
-
-#if STAGES
-    // Chunk c's codes and scale words into ring slot `slot`, one commit group (empty past the
-    // slice: the group count stays one a chunk).
-    const u32 ring_c = smem_addr(&ring_codes[0][0][tid]);
-    const u32 ring_s = smem_addr(&ring_scales[0][0][tid]);
-#define RING_ISSUE(slot, c)                                                              \
-    {                                                                                    \
-        const int cc = c;                                                                \
-        if (cc < c1) {                                                                   \
-            _Pragma("unroll") for (int h = 0; h < 2; ++h) {                             \
-                cp_async8(ring_c + ((slot) * 2 + h) * THREADS * 8,                       \
-                          codes + row_pair0[h] + cc * 4);                                \
-                cp_async4(ring_s + ((slot) * 2 + h) * THREADS * 4,                       \
-                          scale_bytes + ((row_block0[h] + cc * (CHUNK / BLOCK)) >> 2));  \
-            }                                                                            \
-        }                                                                                \
-        cp_async_commit();                                                               \
-    }
-#pragma unroll
-    for (int d = 0; d < STAGES - 1; ++d) RING_ISSUE(d, c0 + d);
-    u32x4 xa[per], xb[per];
-    LOAD_X(xa, c0);
-    STORE_X(0, xa);
-    LOAD_X(xa, c0 + 1);
-    LOAD_X(xb, c0 + 2);
-    fence_proxy_async();
-    __syncthreads();
-
-    const u32 xs_base = smem_addr(xs);
-    int slot = 0;
-    // One chunk on `X` buffer b: its ring slot read, the slot before refilled STAGES - 1
-    // chunks on, the steps issued, then the next chunk's `X` stored from XR and XR loaded two
-    // chunks on.
-#define RING_CHUNK(c, b, XR)                                                             \
-    {                                                                                    \
-        wait_ring();                                                                     \
-        const u32x2 w0 = ring_codes[slot][0][tid], w1 = ring_codes[slot][1][tid];        \
-        const u32 s0 = ring_scales[slot][0][tid], s1 = ring_scales[slot][1][tid];        \
-        RING_ISSUE(slot == 0 ? STAGES - 1 : slot - 1, (c) + STAGES - 1);                 \
-        slot = slot + 1 == STAGES ? 0 : slot + 1;                                        \
-        MMA_CHUNK(c, b, w0, w1, s0, s1);                                                 \
-        STORE_X(1 - (b), XR);                                                            \
-        LOAD_X(XR, (c) + 3);                                                             \
-        END_CHUNK();                                                                     \
-    }
-    for (int c = c0; c < c1; c += 2) {
-        RING_CHUNK(c, 0, xa);
-        if (c + 1 < c1) RING_CHUNK(c + 1, 1, xb);
-    }
-#elif SYNC_CHUNKS == 2
-    // Chunks c, c + 1 on `X` buffers 2p, 2p + 1 (pair p); the next pair's `X` from xp, xq.
-    u32x4 xp[per], xq[per];
-    LOAD_X(xp, c0);
-    STORE_X(0, xp);
-    LOAD_X(xq, c0 + 1);
-    STORE_X(1, xq);
-    LOAD_X(xp, c0 + 2);
-    LOAD_X(xq, c0 + 3);
-    u32x2 wq[2][2];
-    u32 sq[2][2];
-#pragma unroll
-    for (int d = 0; d < 2; ++d) {
-        const int c = imin(c0 + d, last_chunk);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            wq[d][h] = codes[row_pair0[h] + c * 4];
-            sq[d][h] = scale_bytes[(row_block0[h] + c * (CHUNK / BLOCK)) >> 2];
-        }
-    }
-
-    fence_proxy_async();
-    __syncthreads();
-
-    const u32 xs_base = smem_addr(xs);
-    int pair = 0;
-    for (int c = c0; c < c1; c += 2) {
-        const u32x2 a0 = wq[0][0], a1 = wq[0][1], b0 = wq[1][0], b1 = wq[1][1];
-        const u32 s0 = sq[0][0], s1 = sq[0][1], t0 = sq[1][0], t1 = sq[1][1];
-#pragma unroll
-        for (int d = 0; d < 2; ++d) {
-            const int cn = imin(c + 2 + d, last_chunk);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                wq[d][h] = codes[row_pair0[h] + cn * 4];
-                sq[d][h] = scale_bytes[(row_block0[h] + cn * (CHUNK / BLOCK)) >> 2];
-            }
-        }
-        MMA_CHUNK(c, 2 * pair, a0, a1, s0, s1);
-        if (c + 1 < c1) MMA_CHUNK(c + 1, 2 * pair + 1, b0, b1, t0, t1);
-        // The next pair into the other buffers (their readers, the pair before, have finished).
-        STORE_X(2 * (1 - pair), xp);
-        STORE_X(2 * (1 - pair) + 1, xq);
-        LOAD_X(xp, c + 4);
-        LOAD_X(xq, c + 5);
-        END_CHUNK();
-        pair ^= 1;
-    }
-#else
-    u32x4 xr[per];
-    LOAD_X(xr, c0);
-    STORE_X(0, xr);
-    LOAD_X(xr, c0 + 1);
     u32x2 wq[DEPTH + 1][2];
     u32 sq[DEPTH + 1][2];
 #pragma unroll
@@ -415,6 +235,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
             sq[d][h] = scale_bytes[(row_block0[h] + c * (CHUNK / BLOCK)) >> 2];
         }
     }
+
+    float acc[N_TOK / 2];
+#pragma unroll
+    for (int i = 0; i < N_TOK / 2; ++i) acc[i] = 0.0f;
 
     fence_proxy_async();
     __syncthreads();
@@ -440,17 +264,55 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
                 sq[DEPTH - 1][h] = scale_bytes[(row_block0[h] + cn * (CHUNK / BLOCK)) >> 2];
             }
         }
-        // Step s: code pairs (i0, i0 + 4) and (i0 + 1, i0 + 5) of word s / 2; one block scale
-        // a row for the lane's 16 codes, with 2^63 of the placement's 2^126.
-        MMA_CHUNK(c, buf, w0, w1, s0, s1);
+        // One block scale a row for the lane's 16 codes, with 2^63 of the placement's 2^126.
+        u32 sc[2];
+        {
+            const u32 b0 = row_block0[0] + c * (CHUNK / BLOCK);
+            const u32 b1 = row_block0[1] + c * (CHUNK / BLOCK);
+            const u32 byte0 = (s0 >> ((b0 & 3) * 8)) & 0xffu;
+            const u32 byte1 = (s1 >> ((b1 & 3) * 8)) & 0xffu;
+            const u32 h0 = bf16_of(stab[byte0] * TWO_POW_63);
+            const u32 h1 = bf16_of(stab[byte1] * TWO_POW_63);
+            sc[0] = h0 | (h0 << 16);
+            sc[1] = h1 | (h1 << 16);
+        }
+        // Step s: code pairs (i0, i0 + 4) and (i0 + 1, i0 + 5) of word s / 2.
+        u32 a[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int i0 = 2 * (s % 2);
+            const u32 wg = (s / 2) ? w0.y : w0.x;
+            const u32 wg8 = (s / 2) ? w1.y : w1.x;
+            a[s][0] = mul_bf16x2(spread_bits(wg, i0), sc[0]);
+            a[s][1] = mul_bf16x2(spread_bits(wg8, i0), sc[1]);
+            a[s][2] = mul_bf16x2(spread_bits(wg, i0 + 1), sc[0]);
+            a[s][3] = mul_bf16x2(spread_bits(wg8, i0 + 1), sc[1]);
+        }
+#pragma unroll
+        for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const u64 desc = smem_desc(xs_base + (buf * BUF_WORDS + s * 2 * 32) * 4);
+            wgmma_step(acc, a[s][0], a[s][1], a[s][2], a[s][3], desc);
+        }
+        wgmma_commit();
         // Chunk c + 1 into the other buffer (its readers, chunk c - 1's steps, have finished),
         // then chunk c + 2's loads, while the tensor cores work.
-        STORE_X(1 - buf, xr);
-        LOAD_X(xr, c + 2);
-        END_CHUNK();
+        if (buf) {
+            STORE_X(0);
+        } else {
+            STORE_X(1);
+        }
+#pragma unroll
+        for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c + 2, last_chunk) * 8];
+        wgmma_wait_all();
+#pragma unroll
+        for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
+        fence_proxy_async();
+        __syncthreads();
         buf ^= 1;
     }
-#endif
 
     // The half of 2^126 the block scales did not carry (a power of two: exact).
 #pragma unroll

@@ -61,10 +61,6 @@ pub(crate) struct Config {
     pub m_major: bool,
     pub out_f32: bool,
     pub segments: usize,
-    /// Chunks of codes in flight in shared memory ([`stages`]); 0: `depth` in registers.
-    pub stages: usize,
-    /// Chunks between two barriers, 1 or 2 ([`sync_chunks`]; 2 with the register ring only).
-    pub sync_chunks: usize,
 }
 
 impl Config {
@@ -91,57 +87,10 @@ impl Config {
             ("MIN_CUBES", min_cubes),
             ("LBO", lbo),
             ("SBO", sbo),
-            ("STAGES", self.stages),
-            ("SYNC_CHUNKS", self.sync_chunks),
         ]);
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
     }
-}
-
-/// Chunks of codes and scales in flight in shared memory by default (the `cp.async` ring).
-pub(crate) const DEFAULT_STAGES: usize = 0;
-
-/// Bytes of static shared memory a cube may take (CUDA's limit without opting in).
-const STATIC_SHARED_BYTES: usize = 48 * 1024;
-
-/// The ring's depth for cubes of `warps` warps and `m_tiles` token tiles: `QERL_WGMMA_STAGES`
-/// (0: the register ring of `depth` chunks; 2 to 8) or [`DEFAULT_STAGES`], at most what fits the
-/// static shared memory beside `X`'s two buffers and the scale table (24 bytes a unit a stage).
-pub(crate) fn stages(warps: usize, m_tiles: usize) -> usize {
-    static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let knob = *KNOB.get_or_init(|| {
-        std::env::var("QERL_WGMMA_STAGES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&v: &usize| v == 0 || (2..=8).contains(&v))
-    });
-    let want = knob.unwrap_or(DEFAULT_STAGES);
-    if want == 0 {
-        return 0;
-    }
-    let fixed = 2 * (8 * m_tiles) * 64 * 2 + 256 * 4;
-    let per_stage = 32 * warps * 24;
-    match STATIC_SHARED_BYTES.saturating_sub(fixed) / per_stage {
-        fit if fit < 2 => 0,
-        fit => want.min(fit),
-    }
-}
-
-/// Chunks between barriers by default.
-pub(crate) const DEFAULT_SYNC_CHUNKS: usize = 1;
-
-/// `QERL_WGMMA_SYNC` (1 or 2, read once) or [`DEFAULT_SYNC_CHUNKS`]: two chunks a barrier and a
-/// wait on the tensor cores, `X` in four buffers (32 KiB at 64 tokens).
-pub(crate) fn sync_chunks() -> usize {
-    static KNOB: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *KNOB.get_or_init(|| {
-        std::env::var("QERL_WGMMA_SYNC")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|v| [1, 2].contains(v))
-            .unwrap_or(DEFAULT_SYNC_CHUNKS)
-    })
 }
 
 /// `(LBO, SBO)` of the `X` descriptor in bytes (a K-major operand without swizzle): 128 between
@@ -205,8 +154,6 @@ pub(crate) fn launch<R: Runtime>(
         m_major: g.m_major,
         out_f32,
         segments: segs.len(),
-        stages: stages(g.warps, g.m_tiles),
-        sync_chunks: sync_chunks(),
     };
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
     let n_total: usize = segs.iter().map(|s| s.n).sum();
@@ -248,22 +195,6 @@ pub(crate) fn launch<R: Runtime>(
 mod tests {
     use super::*;
 
-    /// The ring fits beside `X`'s buffers for every cube the planner makes (4 or 8 warps, up
-    /// to 64 tokens).
-    #[test]
-    fn the_ring_fits_the_static_shared_memory() {
-        for warps in [4, 8] {
-            for m_tiles in 1..=8 {
-                let s = stages(warps, m_tiles);
-                let bytes = 2 * 8 * m_tiles * 128 + 1024 + s * 32 * warps * 24;
-                assert!(s <= 8 && bytes <= STATIC_SHARED_BYTES, "{warps} {m_tiles}: {s}");
-                if std::env::var("QERL_WGMMA_STAGES").is_err() {
-                    assert_eq!(s, DEFAULT_STAGES);
-                }
-            }
-        }
-    }
-
     /// The generated text names every operand once, in order, and every `#define` the kernel
     /// reads (a GPU is needed to compile it; this checks what the host builds).
     #[test]
@@ -279,8 +210,6 @@ mod tests {
             m_major: false,
             out_f32: true,
             segments: 2,
-            stages: 4,
-            sync_chunks: 1,
         };
         let s = c.source();
         for d in [
@@ -295,8 +224,6 @@ mod tests {
             "MIN_CUBES 2",
             "LBO 128",
             "SBO 1024",
-            "STAGES 4",
-            "SYNC_CHUNKS 1",
         ] {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }
