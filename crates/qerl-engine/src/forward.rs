@@ -14,9 +14,9 @@
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
-use qerl_kernels::gemm::{self, LoraEpilogue};
+use qerl_kernels::gemm::{self, LoraEpilogue, SegmentsOutcome};
 
-use crate::kernels::act::silu_mul;
+use crate::kernels::act::{silu_mul, silu_mul_parts, silu_parts_enabled};
 use crate::kernels::attention::{
     attention_with, AttentionKernel, AttentionScratch, AttentionShape, OLora,
 };
@@ -222,7 +222,10 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             &[&layer.gate, &layer.up],
             ws,
         );
-        linears::<R, F>(
+        // Past the rows where SiLU·mul takes the down product's LoRA, the gate/up product's
+        // K-slices go straight into the activation (one reduction launch fewer).
+        let keep = m > crate::kernels::fused_lora::MAX_ROWS && silu_parts_enabled();
+        let parts = linears_or_parts::<R, F>(
             client,
             &ws.xn,
             m,
@@ -230,8 +233,13 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             &[&ws.gate, &ws.up],
             &ws.t,
             t_ready,
+            keep,
         )?;
-        let t_ready = layer.down.lora.as_ref().filter(|_| fuse).is_some_and(|a| {
+        if let Some(p) = &parts {
+            silu_mul_parts::<R, F>(client, &p.parts, p.splits, m, s.intermediate, &ws.act);
+        }
+        let t_ready = parts.is_none()
+            && layer.down.lora.as_ref().filter(|_| fuse).is_some_and(|a| {
             silu_lora::<R, F>(
                 client,
                 &ws.gate,
@@ -246,7 +254,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
                 &ws.lora_counters,
             )
         });
-        if !t_ready {
+        if !t_ready && parts.is_none() {
             silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
         }
         down_parts = down_product::<R, F>(client, &ws.act, m, &layer.down, &ws.d, &ws.t, t_ready)?;
@@ -422,6 +430,23 @@ fn linears<R: Runtime, F: Float>(
     t: &[Handle; 3],
     t_ready: bool,
 ) -> Result<(), EngineError> {
+    linears_or_parts::<R, F>(client, x, m, layers, outputs, t, t_ready, false).map(|_| ())
+}
+
+/// [`linears`]; with `keep_parts`, where the products run as one split segment launch without
+/// biases, their unreduced K-slices instead of the outputs
+/// ([`gemm::matmul_segments_or_parts`]).
+#[allow(clippy::too_many_arguments)]
+fn linears_or_parts<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    layers: &[&Linear],
+    outputs: &[&Handle],
+    t: &[Handle; 3],
+    t_ready: bool,
+    keep_parts: bool,
+) -> Result<Option<gemm::SplitParts>, EngineError> {
     if !t_ready {
         lora_downs::<R, F>(client, x, m, layers, t)?;
     }
@@ -445,11 +470,19 @@ fn linears<R: Runtime, F: Float>(
             Frozen::Dense(_) => None,
         })
         .collect();
-    if layers.len() > 1
-        && quant.len() == layers.len()
-        && gemm::matmul_segments::<R, F>(client, x, m, &quant)?
-    {
-        return Ok(());
+    if layers.len() > 1 && quant.len() == layers.len() {
+        let outcome = match keep_parts {
+            true => gemm::matmul_segments_or_parts::<R, F>(client, x, m, &quant)?,
+            false => match gemm::matmul_segments::<R, F>(client, x, m, &quant)? {
+                true => SegmentsOutcome::Written,
+                false => SegmentsOutcome::NotTaken,
+            },
+        };
+        match outcome {
+            SegmentsOutcome::Written => return Ok(None),
+            SegmentsOutcome::Parts(p) => return Ok(Some(p)),
+            SegmentsOutcome::NotTaken => {}
+        }
     }
     for ((i, l), y) in layers.iter().enumerate().zip(outputs) {
         let lora = l.lora.as_ref().map(|a| (&t[i], &a.b, a.rank, a.scale));
@@ -467,7 +500,7 @@ fn linears<R: Runtime, F: Float>(
             }
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// A dense product: the tensor-core kernel for many rows where it applies, the engine's

@@ -4,7 +4,7 @@
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
-use qerl_engine::kernels::act::silu_mul;
+use qerl_engine::kernels::act::{silu_mul, silu_mul_parts};
 use qerl_engine::kernels::attention::{attention, AttentionScratch, AttentionShape};
 use qerl_engine::kernels::dense::{dense, DenseEpilogue};
 use qerl_engine::kernels::fused_lora::norm_lora;
@@ -138,6 +138,37 @@ fn silu_mul_over_whole_and_partial_vectors() {
             .map(|(&a, &b)| a as f64 / (1.0 + (-(a as f64)).exp()) * b as f64)
             .collect();
         assert_close(&format!("silu_mul {len}"), &read(&c, &out), &want, seed);
+    }
+}
+
+/// SiLU·mul from a split gate/up product's K-slices equals SiLU·mul of the slices summed in
+/// slice order, bit for bit (the reduction it replaces sums them so), at 1, 2 and 5 slices.
+#[test]
+fn silu_mul_from_split_slices_equals_the_reduced_form() {
+    let c = client();
+    let (mut g, seed) = rng();
+    for (splits, rows, width) in [(1, 3, 8), (2, 5, 36), (5, 2, 4)] {
+        // [splits, rows, 2·width]: gate in the first `width` columns of a row, up after.
+        let parts = uniform(&mut g, splits * rows * 2 * width);
+        let sum = |r: usize, col: usize| {
+            (0..splits).fold(0.0f32, |a, s| a + parts[(s * rows + r) * 2 * width + col])
+        };
+        let gate: Vec<f32> = (0..rows * width).map(|i| sum(i / width, i % width)).collect();
+        let upv: Vec<f32> = (0..rows * width)
+            .map(|i| sum(i / width, width + i % width))
+            .collect();
+        let want = nan(&c, rows * width);
+        silu_mul::<R, f32>(&c, &up(&c, &gate), &up(&c, &upv), &want, rows * width);
+        let out = nan(&c, rows * width);
+        silu_mul_parts::<R, f32>(&c, &up(&c, &parts), splits, rows, width, &out);
+        let (got, want) = (read(&c, &out), read(&c, &want));
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                a.to_bits() == b.to_bits(),
+                "silu_mul_parts splits={splits} rows={rows} width={width}: element {i} is {a}, \
+                 the reduced form {b} (seed {seed})"
+            );
+        }
     }
 }
 

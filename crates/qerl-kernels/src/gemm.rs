@@ -643,8 +643,41 @@ pub fn matmul_segments<R: Runtime, F: Float>(
     m: usize,
     products: &[SegmentProduct<'_>],
 ) -> Result<bool, KernelError> {
+    segments::<R, F>(client, x, m, products, false).map(|o| !matches!(o, SegmentsOutcome::NotTaken))
+}
+
+/// What [`matmul_segments_or_parts`] did.
+pub enum SegmentsOutcome {
+    /// The layout is not one the segment launches take: nothing ran (the caller's fallback).
+    NotTaken,
+    /// Every `y` is written.
+    Written,
+    /// The split product's unreduced K-slices `[splits, M, ΣN]` (segment `i`'s columns start at
+    /// `Σ_{j<i} N_j`; the LoRA terms are in slice 0), no `y` written: for a consumer that adds
+    /// the slices itself (the engine's SiLU·mul of gate/up), one reduction launch fewer.
+    Parts(SplitParts),
+}
+
+/// [`matmul_segments`], except that where it would end in a split-K reduction (the decode-batch
+/// `mma` kernels) and no product has a bias, it returns the partial sums instead.
+pub fn matmul_segments_or_parts<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    products: &[SegmentProduct<'_>],
+) -> Result<SegmentsOutcome, KernelError> {
+    segments::<R, F>(client, x, m, products, true)
+}
+
+fn segments<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    products: &[SegmentProduct<'_>],
+    keep_parts: bool,
+) -> Result<SegmentsOutcome, KernelError> {
     let Some(first) = products.first() else {
-        return Ok(false);
+        return Ok(SegmentsOutcome::NotTaken);
     };
     if m == 0 {
         return Err(shape_err("matmul_segments", "M = 0".into()));
@@ -668,18 +701,22 @@ pub fn matmul_segments<R: Runtime, F: Float>(
             .then(|| crate::gemm_mma::plan_segments::<R, F>(client, m, &segs))
             .flatten();
         let Some(plan) = plan else {
-            return Ok(false);
+            return Ok(SegmentsOutcome::NotTaken);
         };
         check_segments::<F>(x, m, k, products)?;
-        crate::gemm_mma::launch_segments::<R, F>(client, x, m, &segs, &plan);
-        return Ok(true);
+        let parts =
+            crate::gemm_mma::launch_segments::<R, F>(client, x, m, &segs, &plan, keep_parts);
+        return Ok(match parts {
+            Some((parts, splits)) => SegmentsOutcome::Parts(SplitParts { parts, splits }),
+            None => SegmentsOutcome::Written,
+        });
     }
     if !crate::gemv::segments_apply::<R, F>(client, m, &segs, tensor_cores::<R, F>(client, m, k)) {
-        return Ok(false);
+        return Ok(SegmentsOutcome::NotTaken);
     }
     check_segments::<F>(x, m, k, products)?;
     crate::gemv::launch_segments::<R, F>(client, x, m, &segs);
-    Ok(true)
+    Ok(SegmentsOutcome::Written)
 }
 
 /// The buffers of [`matmul_segments`]: `x [M, K]`, each `y [M, N]`, bias `[N]`, LoRA `T [M, r]`

@@ -957,6 +957,60 @@ fn warpgroup_ran(before: usize) {
     }
 }
 
+/// [`gemm::matmul_segments_or_parts`] on the same products (no bias): where it keeps the
+/// K-slices, each column's slices summed in slice order and rounded to `F` equal `ys` (written by
+/// [`gemm::matmul_segments`], whose reduction sums them so) bit for bit; where it writes, its
+/// outputs equal `ys`. Returns 1 where it kept the slices.
+#[allow(clippy::too_many_arguments)]
+fn kept_parts_equal_outputs<R: Runtime, F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    what: &str,
+    xh: &Handle,
+    m: usize,
+    segs: &[SegCase],
+    ys: &[Handle],
+    lora: bool,
+    rank: usize,
+    seed: u64,
+) -> usize {
+    let ys2: Vec<Handle> = segs.iter().map(|s| poisoned::<R, F>(c, m * s.n)).collect();
+    let p = seg_products(segs, &ys2, false, lora, rank);
+    let n_total: usize = segs.iter().map(|s| s.n).sum();
+    let outcome = gemm::matmul_segments_or_parts::<R, F>(c, xh, m, &p).unwrap();
+    let (got, kept): (Vec<Vec<f64>>, usize) = match outcome {
+        gemm::SegmentsOutcome::Parts(sp) => {
+            let parts = f32::from_bytes(&c.read_one(sp.parts.clone()).unwrap()).to_vec();
+            let mut col0 = 0;
+            let per_seg = segs
+                .iter()
+                .map(|s| {
+                    let sums: Vec<f32> = (0..m * s.n)
+                        .map(|i| {
+                            let at = (i / s.n) * n_total + col0 + i % s.n;
+                            (0..sp.splits).fold(0.0f32, |a, z| a + parts[z * m * n_total + at])
+                        })
+                        .collect();
+                    col0 += s.n;
+                    rounded::<F>(&sums)
+                })
+                .collect();
+            (per_seg, 1)
+        }
+        gemm::SegmentsOutcome::Written => (ys2.iter().map(|y| read::<R, F>(c, y)).collect(), 0),
+        gemm::SegmentsOutcome::NotTaken => panic!("{what}: or_parts not taken (seed {seed})"),
+    };
+    for (i, (g, y)) in got.iter().zip(ys).enumerate() {
+        let want = read::<R, F>(c, y);
+        let bad = g.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(
+            bad.is_none(),
+            "{what}: segment {i} kept={kept}: element {bad:?} differs from matmul_segments's \
+             (seed {seed})"
+        );
+    }
+    kept
+}
+
 /// One segment of [`matmul_mma_segments`]: its weight, bias, LoRA `A`/`B` and `T = X·Aᵀ`
 /// on the device, and the host values for the reference.
 struct SegCase {
@@ -1192,6 +1246,7 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
     let before = gemm::mma_segment_launches();
     let wg_before = gemm::mma_warpgroup_launches();
     let mut ran = 0;
+    let mut kept = 0;
     for (format, m, widths, k) in cases {
         let x = normal(&mut rng, m * k, 1.0);
         let xh = upload::<R, F>(&c, &x);
@@ -1223,9 +1278,14 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
                     tol,
                     seed,
                 );
+                if !bias {
+                    kept += kept_parts_equal_outputs::<R, F>(&c, &what, &xh, m, &segs, &ys, lora, rank, seed);
+                    ran += 1;
+                }
             }
         }
     }
+    assert!(kept > 0, "matmul_segments_or_parts never kept the K-slices (seed {seed})");
     assert_eq!(
         gemm::mma_segment_launches() - before,
         ran,

@@ -247,24 +247,31 @@ pub(crate) fn plan<R: Runtime, F: Float>(
 }
 
 /// Launches `segs` (checked by [`plan`], which gave `plan`, and buffers checked by the caller) as
-/// one staged kernel and, when split, one segmented reduction.
+/// one staged kernel and, when split, one segmented reduction; or, split with `keep_parts` and
+/// no bias, returns the partial sums `[splits, M, ΣN]` (each segment's columns after the
+/// previous ones', the LoRA term in slice 0) and their count instead, no `y` written.
 pub(crate) fn launch<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
     m: usize,
     segs: &[Segment<'_>],
     plan: &SegmentPlan,
-) {
+    keep_parts: bool,
+) -> Option<(Handle, usize)> {
     let g = &plan.0;
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
     let splits = g.grid.2;
     if splits == 1 {
         run::<R, F, F>(client, x, m, segs, g, None);
-        return;
+        return None;
     }
     let n: usize = segs.iter().map(|s| s.weight.n).sum();
     let part = splitk::workspace(client, splits, m, n);
     run::<R, F, f32>(client, x, m, segs, g, Some(&part));
+    // Kept only without biases: the reduction is where they are added.
+    if keep_parts && segs.iter().all(|s| s.bias.is_none()) {
+        return Some((part, splits));
+    }
     let reduce: Vec<ReduceSegment<'_>> = segs
         .iter()
         .map(|s| ReduceSegment {
@@ -274,6 +281,7 @@ pub(crate) fn launch<R: Runtime, F: Float>(
         })
         .collect();
     splitk::reduce_segments::<R, F, F>(client, part, splits, m, &reduce);
+    None
 }
 
 /// The kernel launch: into each segment's `y` (`O = F`), or with `part` into that workspace
