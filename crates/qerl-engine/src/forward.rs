@@ -240,20 +240,20 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         }
         let t_ready = parts.is_none()
             && layer.down.lora.as_ref().filter(|_| fuse).is_some_and(|a| {
-            silu_lora::<R, F>(
-                client,
-                &ws.gate,
-                &ws.up,
-                &ws.act,
-                m,
-                s.intermediate,
-                &a.a,
-                a.rank,
-                &ws.t[0],
-                &ws.lora_sums,
-                &ws.lora_counters,
-            )
-        });
+                silu_lora::<R, F>(
+                    client,
+                    &ws.gate,
+                    &ws.up,
+                    &ws.act,
+                    m,
+                    s.intermediate,
+                    &a.a,
+                    a.rank,
+                    &ws.t[0],
+                    &ws.lora_sums,
+                    &ws.lora_counters,
+                )
+            });
         if !t_ready && parts.is_none() {
             silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
         }

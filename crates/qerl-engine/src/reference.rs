@@ -372,36 +372,86 @@ pub struct CheckReport {
     pub max_logprob_diff: f64,
 }
 
-/// Runs the engine greedily on a random model of [`test_shape`] (two slots for five requests,
-/// 5-token prefill passes, so refills and multi-pass prompts happen; plus four samples of one
-/// prompt) and compares with the host reference.
+/// A decode-batch shape for the check: wide enough (`K` 512, every segment a multiple of 128
+/// columns) that on CUDA the decode-batch products run as split segment launches, whose gate/up
+/// K-slices go straight into SiLU·mul past 8 rows.
+pub fn wide_test_shape() -> ModelShape {
+    let head_dim = 64;
+    ModelShape {
+        name: "test-wide".into(),
+        hidden: 512,
+        intermediate: 256,
+        q_heads: 8,
+        kv_heads: 2,
+        head_dim,
+        inv_freq: (0..head_dim / 2)
+            .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / head_dim as f32))
+            .collect(),
+        ..test_shape()
+    }
+}
+
+/// Runs the engine greedily on random models and compares with the host reference: one of
+/// [`test_shape`] (two slots for five requests, 5-token prefill passes, so refills and
+/// multi-pass prompts happen; plus four samples of one prompt), then one of
+/// [`wide_test_shape`] decoding 12 rows at a time (16 requests, 24-token prefill passes).
 pub fn check_engine<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     seed: u64,
     quant: bool,
 ) -> Result<CheckReport, crate::EngineError> {
+    let mut report = CheckReport {
+        tokens_equal: 0,
+        tokens: 0,
+        first_tokens_equal: 0,
+        requests: 0,
+        max_logprob_diff: 0.0,
+    };
+    check_shape::<R, F>(client, &test_shape(), (2, 5, 5), seed, quant, &mut report)?;
+    check_shape::<R, F>(
+        client,
+        &wide_test_shape(),
+        (12, 24, 16),
+        seed,
+        quant,
+        &mut report,
+    )?;
+    Ok(report)
+}
+
+/// One model of `shape` in [`check_engine`]: `(slots, prefill rows, requests)`, the requests
+/// followed by four samples of one prompt; adds to `report`.
+fn check_shape<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    shape: &ModelShape,
+    (slots, prefill_rows, requests): (usize, usize, u32),
+    seed: u64,
+    quant: bool,
+    report: &mut CheckReport,
+) -> Result<(), crate::EngineError> {
     use crate::engine::{Engine, EngineConfig, Request, Sampling};
-    let (host, weights) = random_model::<R, F>(client, &test_shape(), seed, quant);
+    let (host, weights) = random_model::<R, F>(client, shape, seed, quant);
     let mut rng = SplitMix(seed ^ 0x5eed);
-    let mut reqs: Vec<Request> = (0..5)
+    let vocab = shape.vocab as u64;
+    let mut reqs: Vec<Request> = (0..requests)
         .map(|i| Request {
             id: 100 + i,
             prompt: (0..1 + rng.next() % 11)
-                .map(|_| (rng.next() % 97) as u32)
+                .map(|_| (rng.next() % vocab) as u32)
                 .collect(),
             max_new_tokens: 1 + (rng.next() % 8) as usize,
         })
         .collect();
-    let shared: Vec<u32> = (0..7).map(|_| (rng.next() % 97) as u32).collect();
+    let shared: Vec<u32> = (0..7).map(|_| (rng.next() % vocab) as u32).collect();
     reqs.extend((0..4).map(|i| Request {
         id: 200 + i,
         prompt: shared.clone(),
         max_new_tokens: 6,
     }));
     let config = EngineConfig {
-        slots: 2,
+        slots,
         capacity: 32,
-        prefill_rows: 5,
+        prefill_rows,
         check_every: 2,
     };
     let mut engine = Engine::<R, F>::new(client.clone(), weights, config)?;
@@ -412,13 +462,7 @@ pub fn check_engine<R: Runtime, F: Float + CubeElement>(
         truncation: Default::default(),
     };
     let got = engine.generate(&reqs, &sampling)?;
-    let mut report = CheckReport {
-        tokens_equal: 0,
-        tokens: 0,
-        first_tokens_equal: 0,
-        requests: reqs.len(),
-        max_logprob_diff: 0.0,
-    };
+    report.requests += reqs.len();
     for (r, g) in reqs.iter().zip(&got) {
         let (want, lps) = host.greedy(&r.prompt, r.max_new_tokens);
         report.tokens += want.len();
@@ -431,5 +475,5 @@ pub fn check_engine<R: Runtime, F: Float + CubeElement>(
             }
         }
     }
-    Ok(report)
+    Ok(())
 }

@@ -153,7 +153,9 @@ fn silu_mul_from_split_slices_equals_the_reduced_form() {
         let sum = |r: usize, col: usize| {
             (0..splits).fold(0.0f32, |a, s| a + parts[(s * rows + r) * 2 * width + col])
         };
-        let gate: Vec<f32> = (0..rows * width).map(|i| sum(i / width, i % width)).collect();
+        let gate: Vec<f32> = (0..rows * width)
+            .map(|i| sum(i / width, i % width))
+            .collect();
         let upv: Vec<f32> = (0..rows * width)
             .map(|i| sum(i / width, width + i % width))
             .collect();

@@ -756,3 +756,43 @@ fn cuda_silu_lora_bf16() {
         }
     }
 }
+
+/// SiLU·mul from a split gate/up product's K-slices (`kernels::act::silu_mul_parts`) in bf16 at
+/// Qwen2.5-7B's intermediate width, 64 rows, 2 and 9 slices: equal bit for bit to `silu_mul` of
+/// the slices summed in order in f32 and rounded to bf16 (what the product's reduction writes).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_silu_mul_parts_bf16() {
+    use qerl_engine::kernels::act::{silu_mul, silu_mul_parts};
+    type F = half::bf16;
+    let c = client();
+    let (mut g, seed) = rng();
+    let (width, rows) = (18944, 64);
+    for splits in [2, 9] {
+        let parts: Vec<f32> = (0..splits * rows * 2 * width)
+            .map(|_| g.random_range(-2.0f32..2.0))
+            .collect();
+        let sum = |r: usize, col: usize| {
+            (0..splits).fold(0.0f32, |a, s| a + parts[(s * rows + r) * 2 * width + col])
+        };
+        let gate: Vec<F> = to_f(
+            &(0..rows * width)
+                .map(|i| sum(i / width, i % width))
+                .collect::<Vec<_>>(),
+        );
+        let upv: Vec<F> = to_f(
+            &(0..rows * width)
+                .map(|i| sum(i / width, width + i % width))
+                .collect::<Vec<_>>(),
+        );
+        let want = up(&c, &vec![F::NAN; rows * width]);
+        silu_mul::<R, F>(&c, &up(&c, &gate), &up(&c, &upv), &want, rows * width);
+        let out = up(&c, &vec![F::NAN; rows * width]);
+        silu_mul_parts::<R, F>(&c, &up(&c, &parts), splits, rows, width, &out);
+        assert_eq!(
+            read::<F>(&c, &out),
+            read::<F>(&c, &want),
+            "silu_mul_parts bf16 splits {splits}: differs from the reduced form, seed {seed}"
+        );
+    }
+}

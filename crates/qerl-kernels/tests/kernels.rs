@@ -1001,7 +1001,10 @@ fn kept_parts_equal_outputs<R: Runtime, F: Float + CubeElement>(
     };
     for (i, (g, y)) in got.iter().zip(ys).enumerate() {
         let want = read::<R, F>(c, y);
-        let bad = g.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+        let bad = g
+            .iter()
+            .zip(&want)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
         assert!(
             bad.is_none(),
             "{what}: segment {i} kept={kept}: element {bad:?} differs from matmul_segments's \
@@ -1279,13 +1282,18 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
                     seed,
                 );
                 if !bias {
-                    kept += kept_parts_equal_outputs::<R, F>(&c, &what, &xh, m, &segs, &ys, lora, rank, seed);
+                    kept += kept_parts_equal_outputs::<R, F>(
+                        &c, &what, &xh, m, &segs, &ys, lora, rank, seed,
+                    );
                     ran += 1;
                 }
             }
         }
     }
-    assert!(kept > 0, "matmul_segments_or_parts never kept the K-slices (seed {seed})");
+    assert!(
+        kept > 0,
+        "matmul_segments_or_parts never kept the K-slices (seed {seed})"
+    );
     assert_eq!(
         gemm::mma_segment_launches() - before,
         ran,
