@@ -16,14 +16,15 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use qerl_kernels::gemm::{self, LoraEpilogue, SegmentsOutcome};
 
-use crate::kernels::act::{silu_mul, silu_mul_parts, silu_parts_enabled};
+use crate::kernels::act::{silu_mul, silu_mul_parts};
 use crate::kernels::attention::{
     attention_with, AttentionKernel, AttentionScratch, AttentionShape, OLora,
 };
 use crate::kernels::dense::{self, dense, DenseEpilogue};
 use crate::kernels::fused_lora::{norm_lora, silu_lora, silu_slices};
+use crate::kernels::fused_reduce_enabled;
 use crate::kernels::norm::{add_rms_norm, embed, Residual};
-use crate::kernels::rope::{rope_kv, RopeShape};
+use crate::kernels::rope::{rope_kv, rope_kv_parts, RopeShape};
 use crate::kernels::sample::SampleScratch;
 use crate::weights::{EngineWeights, Frozen, Linear};
 use crate::EngineError;
@@ -179,7 +180,17 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             &[&layer.q, &layer.k, &layer.v],
             ws,
         );
-        linears::<R, F>(
+        // Past the rows the fused LoRA kernels take, a split q/k/v product's K-slices go
+        // straight into RoPE, which adds them and the biases (one reduction launch fewer).
+        let qkv_biases = match (&layer.q.bias, &layer.k.bias, &layer.v.bias) {
+            (Some(q), Some(k), Some(v)) => Some(Some([q, k, v])),
+            (None, None, None) => Some(None),
+            _ => None,
+        };
+        let keep = m > crate::kernels::fused_lora::MAX_ROWS
+            && fused_reduce_enabled()
+            && qkv_biases.is_some();
+        let qkv_parts = linears_or_parts::<R, F>(
             client,
             &ws.xn,
             m,
@@ -187,12 +198,29 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             &[&ws.q, &ws.k, &ws.v],
             &ws.t,
             t_ready,
+            keep,
         )?;
         let (k_cache, v_cache) = &kv.layers[l];
-        rope_kv::<R, F>(
-            client, rope, &ws.q, &ws.k, &ws.v, p.slot, p.pos, &cos_sin.0, &cos_sin.1, k_cache,
-            v_cache,
-        );
+        if let (Some(sp), Some(biases)) = (&qkv_parts, qkv_biases) {
+            rope_kv_parts::<R, F>(
+                client,
+                rope,
+                (&sp.parts, sp.splits),
+                biases,
+                &ws.q,
+                p.slot,
+                p.pos,
+                &cos_sin.0,
+                &cos_sin.1,
+                k_cache,
+                v_cache,
+            );
+        } else {
+            rope_kv::<R, F>(
+                client, rope, &ws.q, &ws.k, &ws.v, p.slot, p.pos, &cos_sin.0, &cos_sin.1, k_cache,
+                v_cache,
+            );
+        }
         let fuse = crate::kernels::fused_lora::enabled();
         let o_lora = layer.o.lora.as_ref().filter(|_| fuse).map(|a| OLora {
             a: &a.a,
@@ -224,7 +252,10 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         );
         // Past the rows where SiLU·mul takes the down product's LoRA, the gate/up product's
         // K-slices go straight into the activation (one reduction launch fewer).
-        let keep = m > crate::kernels::fused_lora::MAX_ROWS && silu_parts_enabled();
+        let keep = m > crate::kernels::fused_lora::MAX_ROWS
+            && fused_reduce_enabled()
+            && layer.gate.bias.is_none()
+            && layer.up.bias.is_none();
         let parts = linears_or_parts::<R, F>(
             client,
             &ws.xn,

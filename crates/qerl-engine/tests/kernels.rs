@@ -9,7 +9,7 @@ use qerl_engine::kernels::attention::{attention, AttentionScratch, AttentionShap
 use qerl_engine::kernels::dense::{dense, DenseEpilogue};
 use qerl_engine::kernels::fused_lora::norm_lora;
 use qerl_engine::kernels::norm::{add_rms_norm, Residual};
-use qerl_engine::kernels::rope::{rope_kv, rope_tables, RopeShape};
+use qerl_engine::kernels::rope::{rope_kv, rope_kv_parts, rope_tables, RopeShape};
 use qerl_engine::kernels::sample::{sample, SampleScratch, SlotState, Truncation};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -332,6 +332,111 @@ fn norm_with_fused_lora_equals_the_norm_then_the_down_projections() {
         for (s, (av, t)) in a.iter().zip(&th).enumerate() {
             let want = lora_t(&yv, av, rows, rank, dim);
             assert_close(&format!("{what}: T_{s}"), &read(&c, t), &want, seed);
+        }
+    }
+}
+
+/// RoPE from a split q/k/v product's K-slices (`rope_kv_parts`) equals `rope_kv` of the slices
+/// summed in order with the biases added (the reduction it replaces), bit for bit: the rotated
+/// queries and the whole caches, with and without biases, at 1 and 3 slices.
+#[test]
+fn rope_kv_from_split_slices_equals_the_reduced_form() {
+    let c = client();
+    let (mut g, seed) = rng();
+    let (q_heads, kv_heads, hd, slots, cap) = (4, 2, 16, 3, 40);
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / hd as f32))
+        .collect();
+    let (cos, sin) = rope_tables(&inv_freq, cap);
+    let (ch, sh) = (up(&c, &cos), up(&c, &sin));
+    let rows = [(2u32, 39u32), (0, 0), (1, 7), (0, 5)];
+    let slot: Vec<u32> = rows.iter().map(|r| r.0).collect();
+    let pos: Vec<u32> = rows.iter().map(|r| r.1).collect();
+    let (slh, ph) = (up_u32(&c, &slot), up_u32(&c, &pos));
+    let m = rows.len();
+    let (q_dim, kv_dim) = (q_heads * hd, kv_heads * hd);
+    let total = q_dim + 2 * kv_dim;
+    let rs = RopeShape {
+        rows: m,
+        q_heads,
+        kv_heads,
+        head_dim: hd,
+        capacity: cap,
+        slots,
+        max_positions: cap,
+    };
+    let kv_len = slots * kv_heads * cap * hd;
+    for (splits, with_bias) in [(1, false), (3, true), (3, false)] {
+        let parts = uniform(&mut g, splits * m * total);
+        let bias = uniform(&mut g, total);
+        // The reduced columns: slices in order from 0, then the bias.
+        let col = |r: usize, j: usize| {
+            let s = (0..splits).fold(0.0f32, |a, z| a + parts[(z * m + r) * total + j]);
+            if with_bias {
+                s + bias[j]
+            } else {
+                s
+            }
+        };
+        let cols = |lo: usize, n: usize| -> Vec<f32> {
+            (0..m * n).map(|i| col(i / n, lo + i % n)).collect()
+        };
+        let (q, k, v) = (
+            cols(0, q_dim),
+            cols(q_dim, kv_dim),
+            cols(q_dim + kv_dim, kv_dim),
+        );
+        let cache0 = uniform(&mut g, kv_len);
+        let (want_q, want_k, want_v) = (up(&c, &q), up(&c, &cache0), up(&c, &cache0));
+        rope_kv::<R, f32>(
+            &c,
+            rs,
+            &want_q,
+            &up(&c, &k),
+            &up(&c, &v),
+            &slh,
+            &ph,
+            &ch,
+            &sh,
+            &want_k,
+            &want_v,
+        );
+        let (got_q, got_k, got_v) = (nan(&c, m * q_dim), up(&c, &cache0), up(&c, &cache0));
+        let bh = [
+            up(&c, &bias[..q_dim]),
+            up(&c, &bias[q_dim..q_dim + kv_dim]),
+            up(&c, &bias[q_dim + kv_dim..]),
+        ];
+        let biases = with_bias.then(|| [&bh[0], &bh[1], &bh[2]]);
+        let ph_parts = up(&c, &parts);
+        rope_kv_parts::<R, f32>(
+            &c,
+            rs,
+            (&ph_parts, splits),
+            biases,
+            &got_q,
+            &slh,
+            &ph,
+            &ch,
+            &sh,
+            &got_k,
+            &got_v,
+        );
+        for (what, got, want) in [
+            ("q", &got_q, &want_q),
+            ("k cache", &got_k, &want_k),
+            ("v cache", &got_v, &want_v),
+        ] {
+            let (got, want) = (read(&c, got), read(&c, want));
+            let bad = got
+                .iter()
+                .zip(&want)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(
+                bad.is_none(),
+                "rope_kv_parts splits={splits} bias={with_bias}: {what} element {bad:?} differs \
+                 from the reduced form (seed {seed})"
+            );
         }
     }
 }

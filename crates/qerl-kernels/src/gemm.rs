@@ -653,13 +653,15 @@ pub enum SegmentsOutcome {
     /// Every `y` is written.
     Written,
     /// The split product's unreduced K-slices `[splits, M, ΣN]` (segment `i`'s columns start at
-    /// `Σ_{j<i} N_j`; the LoRA terms are in slice 0), no `y` written: for a consumer that adds
-    /// the slices itself (the engine's SiLU·mul of gate/up), one reduction launch fewer.
+    /// `Σ_{j<i} N_j`; the LoRA terms are in slice 0; the biases are NOT added), no `y` written:
+    /// for a consumer that adds the slices and biases itself (the engine's SiLU·mul of gate/up,
+    /// its RoPE of q/k/v), one reduction launch fewer.
     Parts(SplitParts),
 }
 
 /// [`matmul_segments`], except that where it would end in a split-K reduction (the decode-batch
-/// `mma` kernels) and no product has a bias, it returns the partial sums instead.
+/// `mma` kernels) it returns the partial sums instead, without the biases
+/// ([`SegmentsOutcome::Parts`]).
 pub fn matmul_segments_or_parts<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,

@@ -57,13 +57,6 @@ pub fn silu_mul<R: Runtime, F: Float>(
     }
 }
 
-/// Whether the engine hands a split gate/up product's K-slices to [`silu_mul_parts`] (default)
-/// rather than reducing them first; `QERL_SILU_PARTS=0` (read once) turns it off, for A/B timing.
-pub fn silu_parts_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("QERL_SILU_PARTS").map_or(true, |v| v != "0"))
-}
-
 /// [`silu_mul`] from the gate/up product's unreduced K-slices: `parts [splits, rows, 2·width]`
 /// f32 (gate in columns `0..width`, up in `width..2·width`); each sum is taken in slice order
 /// from 0 and rounded to `F` as the product's reduction rounds it, then the activation as in

@@ -58,3 +58,11 @@ pub(crate) fn vector_width<F: Float>(n: usize) -> usize {
     }
     v
 }
+
+/// Whether the engine hands a split product's K-slices to the kernel after it (gate/up to
+/// [`act::silu_mul_parts`], q/k/v to [`rope::rope_kv_parts`]) rather than reducing them first
+/// (default on); `QERL_FUSED_REDUCE=0` (read once) turns it off, for A/B timing.
+pub fn fused_reduce_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("QERL_FUSED_REDUCE").map_or(true, |v| v != "0"))
+}

@@ -131,6 +131,195 @@ pub fn rope_kv<R: Runtime, F: Float>(
     }
 }
 
+/// Element `col` of row `r` of the split q/k/v product: its K-slices (`[splits, rows, total]`
+/// f32, slice stride `slice`) summed in order from 0, plus its segment's bias when `has_bias`
+/// (`bias[at]`), rounded to `F`: what the product's reduction would have stored.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn reduced<F: Float>(
+    parts: &Array<f32>,
+    bias: &Array<F>,
+    r: usize,
+    col: usize,
+    at: usize,
+    total: usize,
+    slice: usize,
+    splits: u32,
+    #[comptime] has_bias: bool,
+) -> F {
+    let mut x = 0.0f32;
+    for z in 0..splits as usize {
+        x += parts[z * slice + r * total + col];
+    }
+    if has_bias {
+        x += f32::cast_from(bias[at]);
+    }
+    F::cast_from(x)
+}
+
+/// [`rope_kv_kernel`] on the q/k/v product's unreduced K-slices: each element first reduced as
+/// the product's reduction would ([`reduced`]), then rotated and stored exactly as there; the
+/// rotated queries go to `q` (`[rows, q_heads·D]`).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rope_kv_parts_kernel<F: Float>(
+    parts: &Array<f32>,
+    q_bias: &Array<F>,
+    k_bias: &Array<F>,
+    v_bias: &Array<F>,
+    q: &mut Array<F>,
+    slot: &Array<u32>,
+    pos: &Array<u32>,
+    cos: &Array<f32>,
+    sin: &Array<f32>,
+    k_cache: &mut Array<F>,
+    v_cache: &mut Array<F>,
+    rows: u32,
+    q_heads: u32,
+    kv_heads: u32,
+    capacity: u32,
+    splits: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] has_bias: bool,
+) {
+    let r = row_of_cube();
+    let j = CUBE_POS_Z as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if r < rows as usize {
+        let half = head_dim / 2;
+        let q_heads = q_heads as usize;
+        let kv_heads = kv_heads as usize;
+        let capacity = capacity as usize;
+        let q_dim = q_heads * head_dim;
+        let kv_dim = kv_heads * head_dim;
+        let total = q_dim + 2 * kv_dim;
+        let slice = rows as usize * total;
+        let p = pos[r] as usize;
+        if j < q_heads * half {
+            let hd = j / half;
+            let i = j % half;
+            let at = hd * head_dim + i;
+            let c = cos[p * half + i];
+            let s = sin[p * half + i];
+            let x1 = f32::cast_from(reduced::<F>(
+                parts, q_bias, r, at, at, total, slice, splits, has_bias,
+            ));
+            let x2 = f32::cast_from(reduced::<F>(
+                parts,
+                q_bias,
+                r,
+                at + half,
+                at + half,
+                total,
+                slice,
+                splits,
+                has_bias,
+            ));
+            let base = r * q_dim + at;
+            q[base] = F::cast_from(x1 * c - x2 * s);
+            q[base + half] = F::cast_from(x2 * c + x1 * s);
+        } else if j < (q_heads + kv_heads) * half {
+            let jk = j - q_heads * half;
+            let hd = jk / half;
+            let i = jk % half;
+            let at = hd * head_dim + i;
+            let sl = slot[r] as usize;
+            let dst = ((sl * kv_heads + hd) * capacity + p) * head_dim + i;
+            let c = cos[p * half + i];
+            let s = sin[p * half + i];
+            let (kc, vc) = (q_dim + at, q_dim + kv_dim + at);
+            let x1 = f32::cast_from(reduced::<F>(
+                parts, k_bias, r, kc, at, total, slice, splits, has_bias,
+            ));
+            let x2 = f32::cast_from(reduced::<F>(
+                parts,
+                k_bias,
+                r,
+                kc + half,
+                at + half,
+                total,
+                slice,
+                splits,
+                has_bias,
+            ));
+            k_cache[dst] = F::cast_from(x1 * c - x2 * s);
+            k_cache[dst + half] = F::cast_from(x2 * c + x1 * s);
+            v_cache[dst] = reduced::<F>(parts, v_bias, r, vc, at, total, slice, splits, has_bias);
+            v_cache[dst + half] = reduced::<F>(
+                parts,
+                v_bias,
+                r,
+                vc + half,
+                at + half,
+                total,
+                slice,
+                splits,
+                has_bias,
+            );
+        }
+    }
+}
+
+/// [`rope_kv`] from the split q/k/v product's K-slices `parts [splits, rows, (q_heads +
+/// 2·kv_heads)·D]` (q, then k, then v columns; [`qerl_kernels::gemm::SegmentsOutcome::Parts`])
+/// and their biases (added here, as the reduction would): the reduction and RoPE in one launch,
+/// the rotated queries into `q`, keys and values into the cache.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_kv_parts<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    s: RopeShape,
+    (parts, splits): (&Handle, usize),
+    biases: Option<[&Handle; 3]>,
+    q: &Handle,
+    slot: &Handle,
+    pos: &Handle,
+    cos: &Handle,
+    sin: &Handle,
+    k_cache: &Handle,
+    v_cache: &Handle,
+) {
+    let d = s.head_dim;
+    let (q_dim, kv_dim) = (s.q_heads * d, s.kv_heads * d);
+    let cache = s.slots * s.kv_heads * s.capacity * d;
+    let pairs = (s.q_heads + s.kv_heads) * d / 2;
+    let grid = grid_rows_by(s.rows, pairs.div_ceil(ROW_CUBE as usize));
+    let total = q_dim + 2 * kv_dim;
+    assert!(
+        parts.size_in_used() >= (splits * s.rows * total * 4) as u64,
+        "rope_kv_parts: the K-slices hold fewer than [{splits}, {}, {total}] f32",
+        s.rows
+    );
+    // Without biases the bias arguments are bound to `cos`, never read.
+    let [qb, kb, vb] = biases.unwrap_or([cos, cos, cos]);
+    let bias_len = |n: usize| if biases.is_some() { n } else { 1 };
+    // SAFETY: as `rope_kv`'s; `parts` holds `splits·rows·total` f32 (asserted) and each bias
+    // its segment's width (the engine's weights) when present.
+    unsafe {
+        rope_kv_parts_kernel::launch_unchecked::<F, R>(
+            client,
+            grid,
+            CubeDim::new_1d(ROW_CUBE),
+            ArrayArg::from_raw_parts(parts.clone(), splits * s.rows * total),
+            ArrayArg::from_raw_parts(qb.clone(), bias_len(q_dim)),
+            ArrayArg::from_raw_parts(kb.clone(), bias_len(kv_dim)),
+            ArrayArg::from_raw_parts(vb.clone(), bias_len(kv_dim)),
+            ArrayArg::from_raw_parts(q.clone(), s.rows * q_dim),
+            ArrayArg::from_raw_parts(slot.clone(), s.rows),
+            ArrayArg::from_raw_parts(pos.clone(), s.rows),
+            ArrayArg::from_raw_parts(cos.clone(), s.max_positions * d / 2),
+            ArrayArg::from_raw_parts(sin.clone(), s.max_positions * d / 2),
+            ArrayArg::from_raw_parts(k_cache.clone(), cache),
+            ArrayArg::from_raw_parts(v_cache.clone(), cache),
+            s.rows as u32,
+            s.q_heads as u32,
+            s.kv_heads as u32,
+            s.capacity as u32,
+            splits as u32,
+            d,
+            biases.is_some(),
+        );
+    }
+}
+
 /// `(cos, sin)`, each `[max_positions, D/2]` f32, for frequencies `inv_freq`: the angle
 /// `pos · f` rounded to f32, its cosine and sine taken in f64 and rounded to f32 (as the burn
 /// model's tables).

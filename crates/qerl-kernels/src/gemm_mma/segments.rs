@@ -247,9 +247,9 @@ pub(crate) fn plan<R: Runtime, F: Float>(
 }
 
 /// Launches `segs` (checked by [`plan`], which gave `plan`, and buffers checked by the caller) as
-/// one staged kernel and, when split, one segmented reduction; or, split with `keep_parts` and
-/// no bias, returns the partial sums `[splits, M, ΣN]` (each segment's columns after the
-/// previous ones', the LoRA term in slice 0) and their count instead, no `y` written.
+/// one staged kernel and, when split, one segmented reduction; or, split with `keep_parts`,
+/// returns the partial sums `[splits, M, ΣN]` (each segment's columns after the previous ones',
+/// the LoRA term in slice 0, the biases not added) and their count instead, no `y` written.
 pub(crate) fn launch<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -268,8 +268,7 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     let n: usize = segs.iter().map(|s| s.weight.n).sum();
     let part = splitk::workspace(client, splits, m, n);
     run::<R, F, f32>(client, x, m, segs, g, Some(&part));
-    // Kept only without biases: the reduction is where they are added.
-    if keep_parts && segs.iter().all(|s| s.bias.is_none()) {
+    if keep_parts {
         return Some((part, splits));
     }
     let reduce: Vec<ReduceSegment<'_>> = segs
