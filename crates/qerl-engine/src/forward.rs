@@ -189,6 +189,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         };
         let keep = m > crate::kernels::fused_lora::MAX_ROWS
             && fused_reduce_enabled()
+            && crate::kernels::rope_parts_enabled()
             && qkv_biases.is_some();
         let qkv_parts = linears_or_parts::<R, F>(
             client,

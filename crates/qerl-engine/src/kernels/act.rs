@@ -68,7 +68,7 @@ fn silu_mul_parts_kernel<F: Float, V: Size>(
     out: &mut Array<Vector<F, V>>,
     rows: u32,
     width_vecs: u32,
-    splits: u32,
+    #[comptime] splits: usize,
 ) {
     let vs = parts.vector_size();
     let i = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * CUBE_DIM_X as usize
@@ -81,7 +81,8 @@ fn silu_mul_parts_kernel<F: Float, V: Size>(
         let slice = rows as usize * 2 * wv;
         let mut g = Vector::<f32, V>::new(0.0f32);
         let mut u = Vector::<f32, V>::new(0.0f32);
-        for s in 0..splits as usize {
+        #[unroll]
+        for s in 0..splits {
             g += parts[s * slice + at];
             u += parts[s * slice + at + wv];
         }
@@ -130,7 +131,7 @@ pub fn silu_mul_parts<R: Runtime, F: Float>(
             ArrayArg::from_raw_parts(out.clone(), vectors),
             rows as u32,
             (width / vs) as u32,
-            splits as u32,
+            splits,
         );
     }
 }

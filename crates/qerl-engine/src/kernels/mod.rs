@@ -66,3 +66,10 @@ pub fn fused_reduce_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("QERL_FUSED_REDUCE").map_or(true, |v| v != "0"))
 }
+
+/// Whether [`fused_reduce_enabled`] applies to q/k/v too ([`rope::rope_kv_parts`]);
+/// `QERL_ROPE_PARTS=0` (read once) keeps their reduction, for A/B timing.
+pub fn rope_parts_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("QERL_ROPE_PARTS").map_or(true, |v| v != "0"))
+}

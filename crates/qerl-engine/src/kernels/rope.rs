@@ -144,11 +144,13 @@ fn reduced<F: Float>(
     at: usize,
     total: usize,
     slice: usize,
-    splits: u32,
+    #[comptime] splits: usize,
     #[comptime] has_bias: bool,
 ) -> F {
+    // Unrolled (the count is comptime), so a unit's loads of all slices are in flight at once.
     let mut x = 0.0f32;
-    for z in 0..splits as usize {
+    #[unroll]
+    for z in 0..splits {
         x += parts[z * slice + r * total + col];
     }
     if has_bias {
@@ -178,7 +180,7 @@ fn rope_kv_parts_kernel<F: Float>(
     q_heads: u32,
     kv_heads: u32,
     capacity: u32,
-    splits: u32,
+    #[comptime] splits: usize,
     #[comptime] head_dim: usize,
     #[comptime] has_bias: bool,
 ) {
@@ -313,7 +315,7 @@ pub fn rope_kv_parts<R: Runtime, F: Float>(
             s.q_heads as u32,
             s.kv_heads as u32,
             s.capacity as u32,
-            splits as u32,
+            splits,
             d,
             biases.is_some(),
         );
