@@ -23,6 +23,7 @@ pub mod engine;
 mod forward;
 pub mod from_model;
 pub mod kernels;
+mod products;
 pub mod reference;
 pub mod shape;
 pub mod weights;

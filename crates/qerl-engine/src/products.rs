@@ -1,0 +1,202 @@
+//! The products of a decoder layer as the engine launches them: the LoRA down-projections,
+//! the 4-bit products sharing an input as one segment launch (or their unreduced K-slices, for
+//! the kernel after them to add), the down product whose K-slices the next norm adds, and the
+//! dense products.
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use qerl_kernels::gemm::{self, LoraEpilogue, SegmentsOutcome};
+
+use crate::kernels::dense::{self, dense, DenseEpilogue};
+use crate::weights::{Frozen, Linear};
+use crate::EngineError;
+
+/// Up to this many rows (every decode batch) the LoRA down-projections go through
+/// [`crate::kernels::lora_down`] (plane operations, CUDA) or else the dense kernel (rows in
+/// groups of [`dense::MAX_ROWS`]; the rank-r weights stay in cache): on an H100
+/// at 64 rows the tensor-core path took 12 us for each of the seven plus a split-K reduce each
+/// (ncu, 2026-11-24): 3.5 ms of a 25 ms step.
+const LORA_DENSE_MAX_ROWS: usize = 256;
+
+/// The down product into `d`, or, where it would end in a split-K reduction of its own (the
+/// decode kernel at a few rows), its unreduced K-slices for the next norm to add
+/// ([`crate::kernels::norm::Residual::Parts`]): one launch fewer a layer. `t_ready`: SiLU·mul filled `t[0]`.
+pub(crate) fn down_product<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    down: &Linear,
+    d: &Handle,
+    t: &[Handle; 3],
+    t_ready: bool,
+) -> Result<Option<gemm::SplitParts>, EngineError> {
+    let fuse = crate::kernels::fused_lora::enabled();
+    let (Frozen::Quant(wq), true) = (&down.weight, fuse) else {
+        linears::<R, F>(client, x, m, &[down], &[d], t, t_ready)?;
+        return Ok(None);
+    };
+    if !t_ready {
+        lora_downs::<R, F>(client, x, m, &[down], t)?;
+    }
+    let lora = down.lora.as_ref().map(|a| LoraEpilogue {
+        t: &t[0],
+        b: &a.b,
+        rank: a.rank,
+        scale: a.scale,
+    });
+    Ok(gemm::matmul_or_parts::<R, F>(
+        client,
+        x,
+        m,
+        wq,
+        down.bias.as_ref(),
+        lora,
+        d,
+    )?)
+}
+
+/// The LoRA down-projections `t[i] = x · A_iᵀ` of `layers` (those with an adapter): one launch
+/// for up to three adapters of equal rank when few rows, else one each.
+pub(crate) fn lora_downs<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    layers: &[&Linear],
+    t: &[Handle; 3],
+) -> Result<(), EngineError> {
+    let k = layers[0].k;
+    let adapters: Vec<_> = layers.iter().filter_map(|l| l.lora.as_ref()).collect();
+    let same_rank = adapters.windows(2).all(|p| p[0].rank == p[1].rank);
+    if adapters.len() == layers.len() && same_rank && m <= LORA_DENSE_MAX_ROWS {
+        let a: Vec<&Handle> = adapters.iter().map(|a| &a.a).collect();
+        let out: Vec<&Handle> = t.iter().take(a.len()).collect();
+        let rank = adapters[0].rank;
+        // The plane kernel where it runs (CUDA), unless `QERL_LORA_DOWN=dense` (read once)
+        // keeps the portable dense kernel, for A/B timing.
+        static DENSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let forced =
+            *DENSE.get_or_init(|| std::env::var("QERL_LORA_DOWN").is_ok_and(|v| v == "dense"));
+        let ran = !forced
+            && crate::kernels::lora_down::lora_down::<R, F>(client, x, m, &a, rank, k, &out);
+        if !ran {
+            dense::<R, F, f32>(client, x, m, &a, rank, k, Default::default(), &out);
+        }
+    } else {
+        for (i, a) in layers.iter().enumerate() {
+            if let Some(a) = &a.lora {
+                gemm::lora_down::<R, F>(client, x, &a.a, &t[i], m, k, a.rank)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Linears that share the input `x [m, k]`: their LoRA down-projections ([`lora_downs`]; none
+/// when `t_ready`, the norm before having filled `t`), then each product with bias and LoRA in
+/// its epilogue.
+pub(crate) fn linears<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    layers: &[&Linear],
+    outputs: &[&Handle],
+    t: &[Handle; 3],
+    t_ready: bool,
+) -> Result<(), EngineError> {
+    linears_or_parts::<R, F>(client, x, m, layers, outputs, t, t_ready, false).map(|_| ())
+}
+
+/// [`linears`]; with `keep_parts`, where the products run as one split segment launch, their
+/// unreduced K-slices (biases not added) instead of the outputs
+/// ([`gemm::matmul_segments_or_parts`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    layers: &[&Linear],
+    outputs: &[&Handle],
+    t: &[Handle; 3],
+    t_ready: bool,
+    keep_parts: bool,
+) -> Result<Option<gemm::SplitParts>, EngineError> {
+    if !t_ready {
+        lora_downs::<R, F>(client, x, m, layers, t)?;
+    }
+    // 4-bit weights sharing the input: one decode launch for all where the kernel takes them.
+    let quant: Vec<gemm::SegmentProduct<'_>> = layers
+        .iter()
+        .enumerate()
+        .zip(outputs)
+        .filter_map(|((i, l), y)| match &l.weight {
+            Frozen::Quant(wq) => Some(gemm::SegmentProduct {
+                weight: wq,
+                bias: l.bias.as_ref(),
+                lora: l.lora.as_ref().map(|a| LoraEpilogue {
+                    t: &t[i],
+                    b: &a.b,
+                    rank: a.rank,
+                    scale: a.scale,
+                }),
+                y,
+            }),
+            Frozen::Dense(_) => None,
+        })
+        .collect();
+    if layers.len() > 1 && quant.len() == layers.len() {
+        let outcome = match keep_parts {
+            true => gemm::matmul_segments_or_parts::<R, F>(client, x, m, &quant)?,
+            false => match gemm::matmul_segments::<R, F>(client, x, m, &quant)? {
+                true => SegmentsOutcome::Written,
+                false => SegmentsOutcome::NotTaken,
+            },
+        };
+        match outcome {
+            SegmentsOutcome::Written => return Ok(None),
+            SegmentsOutcome::Parts(p) => return Ok(Some(p)),
+            SegmentsOutcome::NotTaken => {}
+        }
+    }
+    for ((i, l), y) in layers.iter().enumerate().zip(outputs) {
+        let lora = l.lora.as_ref().map(|a| (&t[i], &a.b, a.rank, a.scale));
+        match &l.weight {
+            Frozen::Quant(wq) => {
+                let lora = lora.map(|(t, b, rank, scale)| LoraEpilogue { t, b, rank, scale });
+                gemm::matmul::<R, F>(client, x, m, wq, l.bias.as_ref(), lora, y)?;
+            }
+            Frozen::Dense(d) => {
+                let epilogue = DenseEpilogue {
+                    bias: l.bias.as_ref(),
+                    lora,
+                };
+                product::<R, F, F>(client, x, m, d, l.n, l.k, epilogue, y)?;
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// A dense product: the tensor-core kernel for many rows where it applies, the engine's
+/// memory-bound kernel otherwise.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product<R: Runtime, F: Float, O: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    d: &Handle,
+    n: usize,
+    k: usize,
+    epilogue: DenseEpilogue<'_>,
+    y: &Handle,
+) -> Result<(), EngineError> {
+    if m > dense::MAX_ROWS {
+        let lora = epilogue
+            .lora
+            .map(|(t, b, rank, scale)| LoraEpilogue { t, b, rank, scale });
+        if gemm::dense_matmul::<R, F, O>(client, x, m, d, n, k, epilogue.bias, lora, y)? {
+            return Ok(());
+        }
+    }
+    dense::<R, F, O>(client, x, m, &[d], n, k, epilogue, &[y]);
+    Ok(())
+}
