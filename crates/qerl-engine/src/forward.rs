@@ -10,7 +10,10 @@
 //! q/k/v and gate/up run inside the norm launches ([`crate::kernels::fused_lora`]), o's inside
 //! the attention's merge of its spans ([`crate::kernels::attention_combine`]) and down's inside
 //! SiLU·mul (both CUDA), and the down product's K-slices are added by the next norm
-//! ([`Residual::Parts`]).
+//! ([`Residual::Parts`]). Past those rows, where the q/k/v and gate/up products split along K,
+//! RoPE and SiLU·mul add their K-slices ([`crate::kernels::rope::rope_kv_parts`],
+//! [`crate::kernels::act::silu_mul_parts`]) in place of two reduction launches. The products
+//! themselves are launched from [`crate::products`].
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
