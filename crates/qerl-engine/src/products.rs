@@ -144,14 +144,7 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
         })
         .collect();
     if layers.len() > 1 && quant.len() == layers.len() {
-        let outcome = match keep_parts {
-            true => gemm::matmul_segments_or_parts::<R, F>(client, x, m, &quant)?,
-            false => match gemm::matmul_segments::<R, F>(client, x, m, &quant)? {
-                true => SegmentsOutcome::Written,
-                false => SegmentsOutcome::NotTaken,
-            },
-        };
-        match outcome {
+        match gemm::matmul_segments_or_parts::<R, F>(client, x, m, &quant, keep_parts)? {
             SegmentsOutcome::Written => return Ok(None),
             SegmentsOutcome::Parts(p) => return Ok(Some(p)),
             SegmentsOutcome::NotTaken => {}

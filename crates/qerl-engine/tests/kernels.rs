@@ -141,6 +141,14 @@ fn silu_mul_over_whole_and_partial_vectors() {
     }
 }
 
+/// RoPE's `(cos, sin)` tables for heads of `hd` channels and `cap` positions (base 10,000).
+fn tables(hd: usize, cap: usize) -> (Vec<f32>, Vec<f32>) {
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / hd as f32))
+        .collect();
+    rope_tables(&inv_freq, cap)
+}
+
 /// SiLU·mul from a split gate/up product's K-slices equals SiLU·mul of the slices summed in
 /// slice order, bit for bit (the reduction it replaces sums them so), at 1, 2 and 5 slices.
 #[test]
@@ -344,10 +352,7 @@ fn rope_kv_from_split_slices_equals_the_reduced_form() {
     let c = client();
     let (mut g, seed) = rng();
     let (q_heads, kv_heads, hd, slots, cap) = (4, 2, 16, 3, 40);
-    let inv_freq: Vec<f32> = (0..hd / 2)
-        .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / hd as f32))
-        .collect();
-    let (cos, sin) = rope_tables(&inv_freq, cap);
+    let (cos, sin) = tables(hd, cap);
     let (ch, sh) = (up(&c, &cos), up(&c, &sin));
     let rows = [(2u32, 39u32), (0, 0), (1, 7), (0, 5)];
     let slot: Vec<u32> = rows.iter().map(|r| r.0).collect();
@@ -453,10 +458,7 @@ fn rope_then_attention(q_heads: usize, kv_heads: usize, hd: usize) {
     let c = client();
     let (mut g, seed) = rng();
     let (slots, cap) = (3, 150);
-    let inv_freq: Vec<f32> = (0..hd / 2)
-        .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / hd as f32))
-        .collect();
-    let (cos, sin) = rope_tables(&inv_freq, cap);
+    let (cos, sin) = tables(hd, cap);
     let (ch, sh) = (up(&c, &cos), up(&c, &sin));
     let kv_len = slots * kv_heads * cap * hd;
     let kc = uniform(&mut g, kv_len);

@@ -643,7 +643,8 @@ pub fn matmul_segments<R: Runtime, F: Float>(
     m: usize,
     products: &[SegmentProduct<'_>],
 ) -> Result<bool, KernelError> {
-    segments::<R, F>(client, x, m, products, false).map(|o| !matches!(o, SegmentsOutcome::NotTaken))
+    matmul_segments_or_parts::<R, F>(client, x, m, products, false)
+        .map(|o| !matches!(o, SegmentsOutcome::NotTaken))
 }
 
 /// What [`matmul_segments_or_parts`] did.
@@ -659,19 +660,10 @@ pub enum SegmentsOutcome {
     Parts(SplitParts),
 }
 
-/// [`matmul_segments`], except that where it would end in a split-K reduction (the decode-batch
-/// `mma` kernels) it returns the partial sums instead, without the biases
-/// ([`SegmentsOutcome::Parts`]).
+/// [`matmul_segments`], saying what it did; with `keep_parts`, where it would end in a split-K
+/// reduction (the decode-batch `mma` kernels) it returns the partial sums instead, without the
+/// biases ([`SegmentsOutcome::Parts`]).
 pub fn matmul_segments_or_parts<R: Runtime, F: Float>(
-    client: &ComputeClient<R>,
-    x: &Handle,
-    m: usize,
-    products: &[SegmentProduct<'_>],
-) -> Result<SegmentsOutcome, KernelError> {
-    segments::<R, F>(client, x, m, products, true)
-}
-
-fn segments<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
     m: usize,

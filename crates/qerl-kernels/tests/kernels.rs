@@ -976,7 +976,7 @@ fn kept_parts_equal_outputs<R: Runtime, F: Float + CubeElement>(
     let ys2: Vec<Handle> = segs.iter().map(|s| poisoned::<R, F>(c, m * s.n)).collect();
     let p = seg_products(segs, &ys2, false, lora, rank);
     let n_total: usize = segs.iter().map(|s| s.n).sum();
-    let outcome = gemm::matmul_segments_or_parts::<R, F>(c, xh, m, &p).unwrap();
+    let outcome = gemm::matmul_segments_or_parts::<R, F>(c, xh, m, &p, true).unwrap();
     let (got, kept): (Vec<Vec<f64>>, usize) = match outcome {
         gemm::SegmentsOutcome::Parts(sp) => {
             let parts = f32::from_bytes(&c.read_one(sp.parts.clone()).unwrap()).to_vec();

@@ -135,7 +135,7 @@ fn norm_lora_kernel<F: Float, V: Size>(
 /// down product's reduction its own launch, for A/B timing.
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("QERL_FUSED_LORA").map_or(true, |v| v != "0"))
+    super::switch_on(&ON, "QERL_FUSED_LORA")
 }
 
 /// Residual add ([`Residual`]; the sum to `h_out`, not `h`) and RMSNorm of `rows` rows of

@@ -59,17 +59,22 @@ pub(crate) fn vector_width<F: Float>(n: usize) -> usize {
     v
 }
 
+/// Whether the switch `name` is on: unset or anything but `0`, read once into `cell`.
+pub(crate) fn switch_on(cell: &'static std::sync::OnceLock<bool>, name: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(name).map_or(true, |v| v != "0"))
+}
+
 /// Whether the engine hands a split product's K-slices to the kernel after it (gate/up to
 /// [`act::silu_mul_parts`], q/k/v to [`rope::rope_kv_parts`]) rather than reducing them first
-/// (default on); `QERL_FUSED_REDUCE=0` (read once) turns it off, for A/B timing.
+/// (default on); `QERL_FUSED_REDUCE=0` turns it off, for A/B timing.
 pub fn fused_reduce_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("QERL_FUSED_REDUCE").map_or(true, |v| v != "0"))
+    switch_on(&ON, "QERL_FUSED_REDUCE")
 }
 
 /// Whether [`fused_reduce_enabled`] applies to q/k/v too ([`rope::rope_kv_parts`]);
-/// `QERL_ROPE_PARTS=0` (read once) keeps their reduction, for A/B timing.
+/// `QERL_ROPE_PARTS=0` keeps their reduction, for A/B timing.
 pub fn rope_parts_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("QERL_ROPE_PARTS").map_or(true, |v| v != "0"))
+    switch_on(&ON, "QERL_ROPE_PARTS")
 }

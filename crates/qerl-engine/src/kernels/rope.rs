@@ -11,6 +11,28 @@ use cubecl::server::Handle;
 
 use super::{grid_rows, grid_rows_by, row_of_cube, ROW_CUBE};
 
+/// Channels `i` and `i + half` of one head at position `p`, `(x1, x2)` in f32, rotated by the
+/// position's angle and stored at `out[at]` and `out[at + half]`: the one rotation both kernels
+/// use, so their results are the same bits.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_rotated<F: Float>(
+    out: &mut Array<F>,
+    at: usize,
+    x1: f32,
+    x2: f32,
+    cos: &Array<f32>,
+    sin: &Array<f32>,
+    p: usize,
+    i: usize,
+    half: usize,
+) {
+    let c = cos[p * half + i];
+    let s = sin[p * half + i];
+    out[at] = F::cast_from(x1 * c - x2 * s);
+    out[at + half] = F::cast_from(x2 * c + x1 * s);
+}
+
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn rope_kv_kernel<F: Float>(
@@ -45,12 +67,9 @@ fn rope_kv_kernel<F: Float>(
             let hd = j / half;
             let i = j % half;
             let base = (r * q_heads + hd) * head_dim;
-            let c = cos[p * half + i];
-            let s = sin[p * half + i];
             let x1 = f32::cast_from(q[base + i]);
             let x2 = f32::cast_from(q[base + i + half]);
-            q[base + i] = F::cast_from(x1 * c - x2 * s);
-            q[base + i + half] = F::cast_from(x2 * c + x1 * s);
+            store_rotated::<F>(q, base + i, x1, x2, cos, sin, p, i, half);
         } else if j < (q_heads + kv_heads) * half {
             // Keys, rotated into the cache; values copied.
             let jk = j - q_heads * half;
@@ -59,12 +78,9 @@ fn rope_kv_kernel<F: Float>(
             let sl = slot[r] as usize;
             let src = (r * kv_heads + hd) * head_dim;
             let dst = ((sl * kv_heads + hd) * capacity + p) * head_dim;
-            let c = cos[p * half + i];
-            let s = sin[p * half + i];
             let x1 = f32::cast_from(k[src + i]);
             let x2 = f32::cast_from(k[src + i + half]);
-            k_cache[dst + i] = F::cast_from(x1 * c - x2 * s);
-            k_cache[dst + i + half] = F::cast_from(x2 * c + x1 * s);
+            store_rotated::<F>(k_cache, dst + i, x1, x2, cos, sin, p, i, half);
             v_cache[dst + i] = v[src + i];
             v_cache[dst + i + half] = v[src + i + half];
         }
@@ -200,8 +216,6 @@ fn rope_kv_parts_kernel<F: Float>(
             let hd = j / half;
             let i = j % half;
             let at = hd * head_dim + i;
-            let c = cos[p * half + i];
-            let s = sin[p * half + i];
             let x1 = f32::cast_from(reduced::<F>(
                 parts, q_bias, r, at, at, total, slice, splits, has_bias,
             ));
@@ -216,9 +230,7 @@ fn rope_kv_parts_kernel<F: Float>(
                 splits,
                 has_bias,
             ));
-            let base = r * q_dim + at;
-            q[base] = F::cast_from(x1 * c - x2 * s);
-            q[base + half] = F::cast_from(x2 * c + x1 * s);
+            store_rotated::<F>(q, r * q_dim + at, x1, x2, cos, sin, p, i, half);
         } else if j < (q_heads + kv_heads) * half {
             let jk = j - q_heads * half;
             let hd = jk / half;
@@ -226,8 +238,6 @@ fn rope_kv_parts_kernel<F: Float>(
             let at = hd * head_dim + i;
             let sl = slot[r] as usize;
             let dst = ((sl * kv_heads + hd) * capacity + p) * head_dim + i;
-            let c = cos[p * half + i];
-            let s = sin[p * half + i];
             let (kc, vc) = (q_dim + at, q_dim + kv_dim + at);
             let x1 = f32::cast_from(reduced::<F>(
                 parts, k_bias, r, kc, at, total, slice, splits, has_bias,
@@ -243,8 +253,7 @@ fn rope_kv_parts_kernel<F: Float>(
                 splits,
                 has_bias,
             ));
-            k_cache[dst] = F::cast_from(x1 * c - x2 * s);
-            k_cache[dst + half] = F::cast_from(x2 * c + x1 * s);
+            store_rotated::<F>(k_cache, dst, x1, x2, cos, sin, p, i, half);
             v_cache[dst] = reduced::<F>(parts, v_bias, r, vc, at, total, slice, splits, has_bias);
             v_cache[dst + half] = reduced::<F>(
                 parts,
