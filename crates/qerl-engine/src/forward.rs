@@ -12,8 +12,9 @@
 //! SiLU·mul (both CUDA), and the down product's K-slices are added by the next norm
 //! ([`Residual::Parts`]). Past those rows, where the q/k/v and gate/up products split along K,
 //! RoPE and SiLU·mul add their K-slices ([`crate::kernels::rope::rope_kv_parts`],
-//! [`crate::kernels::act::silu_mul_parts`]) in place of two reduction launches. The products
-//! themselves are launched from [`crate::products`].
+//! [`crate::kernels::act::silu_mul_parts`]) and the norms add o's and down's, in place of four
+//! reduction launches, and on sm_90 the products compute their LoRA down-projections inside
+//! (four launches fewer). The products themselves are launched from [`crate::products`].
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -29,7 +30,7 @@ use crate::kernels::fused_reduce_enabled;
 use crate::kernels::norm::{add_rms_norm, embed, Residual};
 use crate::kernels::rope::{rope_kv, rope_kv_parts, RopeShape};
 use crate::kernels::sample::SampleScratch;
-use crate::products::{down_product, linears, linears_or_parts, product};
+use crate::products::{linears, linears_or_parts, product, residual_product};
 use crate::weights::{EngineWeights, Linear};
 use crate::EngineError;
 
@@ -244,13 +245,22 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             AttentionKernel::Auto,
             o_lora.as_ref(),
         );
-        linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.t, t_ready)?;
+        // Past the fused kernels' rows, o's K-slices go to the next norm (as down's do).
+        let o_parts = if m > crate::kernels::fused_lora::MAX_ROWS {
+            residual_product::<R, F>(client, &ws.attn, m, &layer.o, &ws.d, &ws.t, t_ready)?
+        } else {
+            linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.t, t_ready)?;
+            None
+        };
         let t_ready = norm::<R, F>(
             client,
             s,
             m,
             (&mut res, &mut spare),
-            Residual::Dense(&ws.d),
+            match &o_parts {
+                Some(p) => Residual::Parts(&p.parts, p.splits),
+                None => Residual::Dense(&ws.d),
+            },
             &layer.mlp_norm,
             &[&layer.gate, &layer.up],
             ws,
@@ -293,7 +303,8 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         if !t_ready && parts.is_none() {
             silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
         }
-        down_parts = down_product::<R, F>(client, &ws.act, m, &layer.down, &ws.d, &ws.t, t_ready)?;
+        down_parts =
+            residual_product::<R, F>(client, &ws.act, m, &layer.down, &ws.d, &ws.t, t_ready)?;
     }
     let n = p.logit_count;
     if n == 0 {

@@ -18,27 +18,34 @@ use crate::EngineError;
 /// (ncu, 2026-11-24): 3.5 ms of a 25 ms step.
 const LORA_DENSE_MAX_ROWS: usize = 256;
 
-/// The down product into `d`, or, where it would end in a split-K reduction of its own (the
-/// decode kernel at a few rows), its unreduced K-slices for the next norm to add
-/// ([`crate::kernels::norm::Residual::Parts`]): one launch fewer a layer. `t_ready`: SiLU·mul filled `t[0]`.
-pub(crate) fn down_product<R: Runtime, F: Float>(
+/// A product whose output the next norm adds to the residual stream (o, down) into `d`, or,
+/// where it would end in a split-K reduction of its own, its unreduced K-slices for that norm
+/// to add ([`crate::kernels::norm::Residual::Parts`]): one launch fewer a layer. Up to
+/// [`crate::kernels::fused_lora::MAX_ROWS`] rows through the decode kernel's K-slices; past
+/// them through the segment launch ([`linears_or_parts`]), which also computes the LoRA
+/// down-projection inside where it can. `t_ready`: the kernel before filled `t[0]`.
+pub(crate) fn residual_product<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
     m: usize,
-    down: &Linear,
+    layer: &Linear,
     d: &Handle,
     t: &[Handle; 3],
     t_ready: bool,
 ) -> Result<Option<gemm::SplitParts>, EngineError> {
+    if m > crate::kernels::fused_lora::MAX_ROWS {
+        let keep = crate::kernels::residual_parts_enabled();
+        return linears_or_parts::<R, F>(client, x, m, &[layer], &[d], t, t_ready, keep);
+    }
     let fuse = crate::kernels::fused_lora::enabled();
-    let (Frozen::Quant(wq), true) = (&down.weight, fuse) else {
-        linears::<R, F>(client, x, m, &[down], &[d], t, t_ready)?;
+    let (Frozen::Quant(wq), true) = (&layer.weight, fuse) else {
+        linears::<R, F>(client, x, m, &[layer], &[d], t, t_ready)?;
         return Ok(None);
     };
     if !t_ready {
-        lora_downs::<R, F>(client, x, m, &[down], t)?;
+        lora_downs::<R, F>(client, x, m, &[layer], t)?;
     }
-    let lora = down.lora.as_ref().map(|a| LoraEpilogue {
+    let lora = layer.lora.as_ref().map(|a| LoraEpilogue {
         t: &t[0],
         b: &a.b,
         rank: a.rank,
@@ -49,7 +56,7 @@ pub(crate) fn down_product<R: Runtime, F: Float>(
         x,
         m,
         wq,
-        down.bias.as_ref(),
+        layer.bias.as_ref(),
         lora,
         d,
     )?)
@@ -107,8 +114,10 @@ pub(crate) fn linears<R: Runtime, F: Float>(
 }
 
 /// [`linears`]; with `keep_parts`, where the products run as one split segment launch, their
-/// unreduced K-slices (biases not added) instead of the outputs
-/// ([`gemm::matmul_segments_or_parts`]).
+/// unreduced K-slices (biases not added) instead of the outputs ([`gemm::run_segments`]).
+/// Where that launch computes the LoRA down-projections itself
+/// ([`gemm::SegmentsRoute::computes_lora_down`], [`crate::kernels::lora_inside_enabled`]) and
+/// `t` is not ready, it gets the adapters' `A` and no down-projection launch runs before it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -120,10 +129,8 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
     t_ready: bool,
     keep_parts: bool,
 ) -> Result<Option<gemm::SplitParts>, EngineError> {
-    if !t_ready {
-        lora_downs::<R, F>(client, x, m, layers, t)?;
-    }
-    // 4-bit weights sharing the input: one decode launch for all where the kernel takes them.
+    // 4-bit weights sharing the input: one decode launch for all where the kernel takes them
+    // (a single one too where it may keep its K-slices).
     let quant: Vec<gemm::SegmentProduct<'_>> = layers
         .iter()
         .enumerate()
@@ -143,10 +150,28 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
             Frozen::Dense(_) => None,
         })
         .collect();
-    if layers.len() > 1 && quant.len() == layers.len() {
-        match gemm::matmul_segments_or_parts::<R, F>(client, x, m, &quant, keep_parts)? {
+    let route = if quant.len() == layers.len() && (layers.len() > 1 || keep_parts) {
+        Some(gemm::segments_route::<R, F>(client, m, &quant)?).filter(|r| r.taken())
+    } else {
+        None
+    };
+    let inside = !t_ready
+        && crate::kernels::lora_inside_enabled()
+        && route.as_ref().is_some_and(|r| r.computes_lora_down());
+    if !t_ready && !inside {
+        lora_downs::<R, F>(client, x, m, layers, t)?;
+    }
+    if let Some(route) = &route {
+        let a: Vec<&Handle> = layers
+            .iter()
+            .filter_map(|l| l.lora.as_ref().map(|a| &a.a))
+            .collect();
+        let lora_a = inside.then_some(&a[..]);
+        match gemm::run_segments::<R, F>(client, x, m, &quant, route, keep_parts, lora_a)? {
             SegmentsOutcome::Written => return Ok(None),
             SegmentsOutcome::Parts(p) => return Ok(Some(p)),
+            // Not on a route that takes them; were it so, `T` for the loop below.
+            SegmentsOutcome::NotTaken if inside => lora_downs::<R, F>(client, x, m, layers, t)?,
             SegmentsOutcome::NotTaken => {}
         }
     }

@@ -237,6 +237,18 @@ pub fn random_model<R: Runtime, F: Float + CubeElement>(
     seed: u64,
     quant: bool,
 ) -> (HostModel, EngineWeights) {
+    random_model_of_rank::<R, F>(c, s, seed, quant, 4)
+}
+
+/// [`random_model`] with LoRA adapters of rank `rank` (16 and 32 take the decode-batch
+/// products' down-projection inside their launch on sm_90).
+pub fn random_model_of_rank<R: Runtime, F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    s: &ModelShape,
+    seed: u64,
+    quant: bool,
+    rank: usize,
+) -> (HostModel, EngineWeights) {
     let s = s.clone();
     let mut rng = SplitMix(seed);
     let up = |c: &ComputeClient<R>, v: &[f32]| up_as::<R, F>(c, v);
@@ -276,9 +288,9 @@ pub fn random_model<R: Runtime, F: Float + CubeElement>(
                 (w.clone(), Frozen::Dense(up(c, &w)))
             };
             let bias = bias.then(|| round_to::<F>(&rng.uniform(n, 0.1)));
-            // Rank 4 on every linear but `o` (a linear without an adapter), rank 4 everywhere else.
+            // An adapter on every linear but `o` (a linear without one).
             let lora = (idx != 3).then(|| {
-                let r = 4;
+                let r = rank;
                 (
                     rng.uniform(r * k, bound),
                     rng.uniform(n * r, 0.2),
@@ -393,8 +405,10 @@ pub fn wide_test_shape() -> ModelShape {
 
 /// Runs the engine greedily on random models and compares with the host reference: one of
 /// [`test_shape`] (two slots for five requests, 5-token prefill passes, so refills and
-/// multi-pass prompts happen; plus four samples of one prompt), then one of
-/// [`wide_test_shape`] decoding 12 rows at a time (16 requests, 24-token prefill passes).
+/// multi-pass prompts happen; plus four samples of one prompt), then two of
+/// [`wide_test_shape`]: decoding 12 rows at a time (16 requests, 24-token prefill passes,
+/// LoRA rank 4), and up to 40 (40 requests, rank 16: on sm_90 the warpgroup product from 33
+/// rows, with its LoRA down-projections inside).
 pub fn check_engine<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     seed: u64,
@@ -407,30 +421,25 @@ pub fn check_engine<R: Runtime, F: Float + CubeElement>(
         requests: 0,
         max_logprob_diff: 0.0,
     };
-    check_shape::<R, F>(client, &test_shape(), (2, 5, 5), seed, quant, &mut report)?;
-    check_shape::<R, F>(
-        client,
-        &wide_test_shape(),
-        (12, 24, 16),
-        seed,
-        quant,
-        &mut report,
-    )?;
+    let r = &mut report;
+    check_shape::<R, F>(client, &test_shape(), (2, 5, 5, 4), seed, quant, r)?;
+    check_shape::<R, F>(client, &wide_test_shape(), (12, 24, 16, 4), seed, quant, r)?;
+    check_shape::<R, F>(client, &wide_test_shape(), (40, 64, 40, 16), seed, quant, r)?;
     Ok(report)
 }
 
-/// One model of `shape` in [`check_engine`]: `(slots, prefill rows, requests)`, the requests
-/// followed by four samples of one prompt; adds to `report`.
+/// One model of `shape` in [`check_engine`]: `(slots, prefill rows, requests, LoRA rank)`, the
+/// requests followed by four samples of one prompt; adds to `report`.
 fn check_shape<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     shape: &ModelShape,
-    (slots, prefill_rows, requests): (usize, usize, u32),
+    (slots, prefill_rows, requests, rank): (usize, usize, u32, usize),
     seed: u64,
     quant: bool,
     report: &mut CheckReport,
 ) -> Result<(), crate::EngineError> {
     use crate::engine::{Engine, EngineConfig, Request, Sampling};
-    let (host, weights) = random_model::<R, F>(client, shape, seed, quant);
+    let (host, weights) = random_model_of_rank::<R, F>(client, shape, seed, quant, rank);
     let mut rng = SplitMix(seed ^ 0x5eed);
     let vocab = shape.vocab as u64;
     let mut reqs: Vec<Request> = (0..requests)

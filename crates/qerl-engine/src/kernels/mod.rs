@@ -72,6 +72,23 @@ pub fn fused_reduce_enabled() -> bool {
     switch_on(&ON, "QERL_FUSED_REDUCE")
 }
 
+/// Whether the o and down products past [`fused_lora::MAX_ROWS`] hand their K-slices to the
+/// next norm ([`norm::Residual::Parts`]) rather than reducing them first (default on, with
+/// [`fused_reduce_enabled`]); `QERL_RESIDUAL_PARTS=0` keeps their reductions, for A/B timing.
+pub fn residual_parts_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    fused_reduce_enabled() && switch_on(&ON, "QERL_RESIDUAL_PARTS")
+}
+
+/// Whether the decode-batch products compute their LoRA down-projections inside their own
+/// launch where the kernel can ([`qerl_kernels::gemm::SegmentsRoute::computes_lora_down`]:
+/// the warpgroup kernel, sm_90, ranks 16 and 32) rather than in a launch of their own before
+/// (default on); `QERL_LORA_INSIDE=0` keeps the separate launches, for A/B timing.
+pub fn lora_inside_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    switch_on(&ON, "QERL_LORA_INSIDE")
+}
+
 /// Whether [`fused_reduce_enabled`] applies to q/k/v too ([`rope::rope_kv_parts`]);
 /// `QERL_ROPE_PARTS=0` keeps their reduction, for A/B timing.
 pub fn rope_parts_enabled() -> bool {

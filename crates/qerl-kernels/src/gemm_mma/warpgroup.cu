@@ -16,7 +16,17 @@
 //   WARPS (4 or 8), M_TILES (1..8: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
 //   DEPTH (chunks of codes in flight, 1..4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
 //   SEGMENTS (1..3), MIN_CUBES (cubes a multiprocessor must hold: caps the registers), LBO,
-//   SBO (descriptor strides), and `wgmma_step` for this N in place of the marker below.
+//   SBO (descriptor strides), LORA_INSIDE and LORA_RT (below), and `wgmma_step` for this N in
+//   place of the marker below.
+//
+// LORA_INSIDE (with HAS_LORA): the LoRA down-projection is computed here, not read. The
+// `lora_t` argument then points at the adapter's `A [r, K]` (bf16, r = 16*LORA_RT): its rows
+// of each chunk are copied into the `X` buffer after the tokens, through the same permuted
+// store, so `mma.m16n8k16` on the two (both read with `ldmatrix`) gives this cube's
+// `T_z[tokens, r] = X · Aᵀ` over its own K-slice z, whatever the permutation. Every slice then
+// adds its own `s·T_z·Bᵀ`: summed over the slices that is the whole LoRA term (each slice's
+// `T_z` rounded to bf16 for the up-projection, where the separate launch rounded `T` once).
+// One launch fewer per product (the down-projection's), for ~12 instructions a chunk a warp.
 //
 // Shared memory: `X` of one chunk (N tokens x 64) as 8x8 core matrices (128 bytes: 8 tokens x
 // 8 values), core `((nb*4 + s)*2 + kh)` holding tokens `8nb..8nb+8` at the logical columns
@@ -44,8 +54,13 @@ typedef u16 out_t;
 #define THREADS (WARPS * 32)
 #define N_TOK (8 * M_TILES)
 #define CHUNK 64
-// u32 words of one chunk's `X` buffer: N_TOK tokens x 64 bf16.
-#define BUF_WORDS (N_TOK * 32)
+#if LORA_INSIDE
+#define A_ROWS (16 * LORA_RT)
+#else
+#define A_ROWS 0
+#endif
+// u32 words of one chunk's buffer: the tokens' `X`, then (LORA_INSIDE) the adapter's rows.
+#define BUF_WORDS ((N_TOK + A_ROWS) * 32)
 #define WIDTH (WARPS * 16)
 #define TWO_POW_63 9.223372036854775808e18f
 
@@ -113,6 +128,20 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four (x4) or two (x2) 8x8 b16 matrices from shared memory, the `mma` fragment layout.
+__device__ __forceinline__ void ldmatrix_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x2(u32& r0, u32& r1, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(addr)
+                 : "memory");
 }
 
 // @wgmma_step@
@@ -213,6 +242,35 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     STORE_X(0);
 #pragma unroll
     for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c0 + 1, last_chunk) * 8];
+#if LORA_INSIDE
+    // The adapter's rows as A_ROWS more "tokens" (item = tid, the same mapping as `X`'s).
+    const u32x4* lora_a = (const u32x4*)lora_t;
+    const bool a_ok = tid < A_ROWS * 8;
+    int a_off, a_st;
+    {
+        const int ic = a_ok ? tid : 0;
+        const int tt = ic & 3, nlo = (ic >> 2) & 7, w = (ic >> 5) & 1, nb = ic >> 6;
+        a_off = (nb * 8 + nlo) * (k_dim / 8) + 2 * tt + w;
+        a_st = ((N_TOK / 8 + nb) * 4 + 2 * w) * 2 * 32 + nlo * 4 + tt;
+    }
+    u32x4 ar = lora_a[a_off + imin(c0, last_chunk) * 8];
+#define STORE_A(b)                                                                       \
+    if (a_ok) {                                                                          \
+        u32* dst = xs + (b) * BUF_WORDS + a_st;                                          \
+        dst[0] = (ar.x & 0xffffu) | (ar.z << 16);                                        \
+        dst[32] = (ar.x >> 16) | (ar.z & 0xffff0000u);                                   \
+        dst[64] = (ar.y & 0xffffu) | (ar.w << 16);                                       \
+        dst[96] = (ar.y >> 16) | (ar.w & 0xffff0000u);                                   \
+    }
+    STORE_A(0);
+    ar = lora_a[a_off + imin(c0 + 1, last_chunk) * 8];
+    // T^T[r, tokens] of this cube's K-slice in m16n8k16 tiles (rows r, columns 8 tokens):
+    // token tile nt = warp + j*WARPS is this warp's j-th.
+#define NT_PER ((M_TILES + WARPS - 1) / WARPS)
+    float tacc[NT_PER * 4 * LORA_RT];
+#pragma unroll
+    for (int i = 0; i < NT_PER * 4 * LORA_RT; ++i) tacc[i] = 0.0f;
+#endif
 
     // Rows g and g + 8 of this warp's 16 (a row past N reads row N - 1; never stored).
     // 32-bit offsets (a weight of up to 2^32 codes): the row's 8-byte code pair and block at
@@ -297,6 +355,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
             wgmma_step(acc, a[s][0], a[s][1], a[s][2], a[s][3], desc);
         }
         wgmma_commit();
+#if LORA_INSIDE
+        // While the tensor cores work: this warp's 8 tokens times the adapter's rows, four
+        // 16-deep steps, both operands by `ldmatrix` from the chunk's buffer (core
+        // `(nb*4 + s)*2 + kh`, 8 rows of 16 bytes; lanes 8j..8j+7 address matrix j's rows).
+        {
+            const u32 base = xs_base + (u32)(buf * BUF_WORDS) * 4u + (u32)(lane & 7) * 16u;
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+#pragma unroll
+                for (int rt = 0; rt < LORA_RT; ++rt) {
+                    u32 af[4];
+                    const int nb = N_TOK / 8 + 2 * rt + ((lane >> 3) & 1);
+                    ldmatrix_x4(af, base + (u32)(((nb * 4 + s) * 2 + (lane >> 4)) * 128));
+#pragma unroll
+                    for (int j = 0; j < NT_PER; ++j) {
+                        const int nt = warp + j * WARPS;
+                        if (nt < M_TILES) {
+                            u32 b0, b1;
+                            ldmatrix_x2(b0, b1,
+                                base + (u32)(((nt * 4 + s) * 2 + ((lane >> 3) & 1)) * 128));
+                            mma_16816(tacc + (j * LORA_RT + rt) * 4, af, b0, b1);
+                        }
+                    }
+                }
+            }
+        }
+#endif
         // Chunk c + 1 into the other buffer (its readers, chunk c - 1's steps, have finished),
         // then chunk c + 2's loads, while the tensor cores work.
         if (buf) {
@@ -306,6 +391,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         }
 #pragma unroll
         for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c + 2, last_chunk) * 8];
+#if LORA_INSIDE
+        if (buf) {
+            STORE_A(0);
+        } else {
+            STORE_A(1);
+        }
+        ar = lora_a[a_off + imin(c + 2, last_chunk) * 8];
+#endif
         wgmma_wait_all();
 #pragma unroll
         for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
@@ -318,9 +411,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
 #pragma unroll
     for (int i = 0; i < N_TOK / 2; ++i) acc[i] *= TWO_POW_63;
 
+#if LORA_INSIDE
+    // T_z [N_TOK, A_ROWS] in f32 into shared memory (the buffers are free: every `wgmma` and
+    // `ldmatrix` of the loop is behind its last barrier), for every warp's up-projection.
+    float* ts = (float*)xs;
+#pragma unroll
+    for (int j = 0; j < NT_PER; ++j) {
+        const int nt = warp + j * WARPS;
+        if (nt < M_TILES) {
+#pragma unroll
+            for (int rt = 0; rt < LORA_RT; ++rt) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = 16 * rt + g + 8 * (i >> 1);
+                    const int tok = 8 * nt + 2 * t + (i & 1);
+                    ts[tok * A_ROWS + r] = tacc[(j * LORA_RT + rt) * 4 + i];
+                }
+            }
+        }
+    }
+    __syncthreads();
+#endif
+
 #if HAS_LORA
-    // acc += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand (slice 0).
-    if (!SPLIT || blockIdx.z == 0) {
+    // acc += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand (slice 0;
+    // every slice, each with its own T_z, when LORA_INSIDE).
+    if (LORA_INSIDE || !SPLIT || blockIdx.z == 0) {
         for (int rc = 0; rc < (rank + 15) / 16; ++rc) {
             u32 af[4];
 #pragma unroll
@@ -339,7 +455,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
                     const int col = rc * 16 + 2 * t + q * 8;
                     bf[q] = 0u;
                     if (m < m_rows && col < rank) {
+#if LORA_INSIDE
+                        const float* tr = ts + (m - m0) * A_ROWS + col;
+#else
                         const float* tr = lora_t + (long)m * rank + col;
+#endif
                         bf[q] = pack_bf16x2(tr[0] * lora_scale, tr[1] * lora_scale);
                     }
                 }

@@ -61,6 +61,16 @@ pub(crate) struct Config {
     pub m_major: bool,
     pub out_f32: bool,
     pub segments: usize,
+    /// The LoRA down-projection computed inside (`lora_t` bound to `A`), for an adapter of
+    /// rank `16 · lora_rt` ([`inside_rank`]).
+    pub lora_inside: bool,
+    pub lora_rt: usize,
+}
+
+/// Whether the kernel computes the LoRA down-projection of an adapter of `rank` itself
+/// (`LORA_INSIDE`): ranks 16 and 32 (whole `m16n8k16` tiles of `A`'s rows, at most two).
+pub(crate) fn inside_rank(rank: usize) -> bool {
+    rank == 16 || rank == 32
 }
 
 impl Config {
@@ -84,6 +94,8 @@ impl Config {
             ("M_MAJOR", self.m_major as usize),
             ("OUT_F32", self.out_f32 as usize),
             ("SEGMENTS", self.segments),
+            ("LORA_INSIDE", self.lora_inside as usize),
+            ("LORA_RT", self.lora_rt.max(1)),
             ("MIN_CUBES", min_cubes),
             ("LBO", lbo),
             ("SBO", sbo),
@@ -124,7 +136,8 @@ fn wgmma_step(n: usize) -> String {
 
 /// Launches the kernel for `g` (the staged kernel's tiles, grid and split) over 1 to 3
 /// segments, into f32 partial sums when `out_f32`, else bf16 outputs; `has_bias`, `has_lora`
-/// as the staged kernel's flags. The caller checked
+/// as the staged kernel's flags; `lora_inside`: each segment's `lora_t` is its adapter's `A`
+/// (bf16 `[rank, K]`, [`inside_rank`]) and the kernel computes `T` itself. The caller checked
 /// [`available`], the buffers, and that every segment's `N` but the last is a multiple of the
 /// cube's `16 · warps` rows.
 #[allow(clippy::too_many_arguments)]
@@ -138,7 +151,9 @@ pub(crate) fn launch<R: Runtime>(
     segs: &[SegmentArgs],
     (has_bias, has_lora, out_f32): (bool, bool, bool),
     rank: usize,
+    lora_inside: bool,
 ) {
+    debug_assert!(!lora_inside || (has_lora && inside_rank(rank)));
     super::WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let Some(client) = crate::cublas::cuda_client(client) else {
         unreachable!("warpgroup::launch on a runtime other than CUDA (see `available`)");
@@ -154,6 +169,8 @@ pub(crate) fn launch<R: Runtime>(
         m_major: g.m_major,
         out_f32,
         segments: segs.len(),
+        lora_inside,
+        lora_rt: if lora_inside { rank / 16 } else { 1 },
     };
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
     let n_total: usize = segs.iter().map(|s| s.n).sum();
@@ -210,6 +227,8 @@ mod tests {
             m_major: false,
             out_f32: true,
             segments: 2,
+            lora_inside: true,
+            lora_rt: 1,
         };
         let s = c.source();
         for d in [
@@ -221,6 +240,8 @@ mod tests {
             "SPLIT 1",
             "OUT_F32 1",
             "SEGMENTS 2",
+            "LORA_INSIDE 1",
+            "LORA_RT 1",
             "MIN_CUBES 2",
             "LBO 128",
             "SBO 1024",
