@@ -294,6 +294,15 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     if keep_parts {
         return Some((part, splits));
     }
+    if let [s] = segs {
+        // One product: the plain reduction (the segmented one takes two or three).
+        let epilogue = splitk::ReduceEpilogue {
+            bias: s.bias.cloned(),
+            lora: None,
+        };
+        splitk::reduce::<R, F, F>(client, part, splits, m, s.weight.n, epilogue, s.y);
+        return None;
+    }
     let reduce: Vec<ReduceSegment<'_>> = segs
         .iter()
         .map(|s| ReduceSegment {
