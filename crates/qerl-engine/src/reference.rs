@@ -295,7 +295,8 @@ pub fn random_model_of_rank<R: Runtime, F: Float + CubeElement>(
                     rng.uniform(r * k, bound),
                     rng.uniform(n * r, 0.2),
                     r,
-                    0.5f32,
+                    // 0.5 at rank 4: the same size of LoRA term at every rank.
+                    2.0 / r as f32,
                 )
             });
             dev.push(Linear {

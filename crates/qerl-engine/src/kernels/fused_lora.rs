@@ -41,10 +41,10 @@ pub const MAX_ROWS: usize = 8;
 /// + eps) ⊙ gain` (stored by column 0), `T_s[row, j] = y · A_s[j]`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn norm_lora_kernel<F: Float, V: Size>(
+fn norm_lora_kernel<F: Float, V: Size, W: Size>(
     h: &Array<Vector<F, V>>,
     d: &Array<Vector<F, V>>,
-    parts: &Array<f32>,
+    parts: &Array<Vector<f32, W>>,
     gain: &Array<f32>,
     a0: &Array<Vector<F, V>>,
     a1: &Array<Vector<F, V>>,
@@ -86,7 +86,7 @@ fn norm_lora_kernel<F: Float, V: Size>(
     #[unroll]
     for u in 0..per_unit {
         let v = min(t + u * step, vecs - 1);
-        e[u] = residual_sum::<F, V>(h, d, parts, row, v, vecs, stride, add, slices);
+        e[u] = residual_sum::<F, V, W>(h, d, parts, row, v, vecs, stride, add, slices);
     }
     // The norm: the unfused kernel's arithmetic.
     let inv = inv_rms::<F, V>(&e, &mut partial, vecs, dim, eps, per_unit);
@@ -194,11 +194,12 @@ pub fn norm_lora<R: Runtime, F: Float>(
             CubeCount::Static((adapters * rank) as u32, rows as u32, 1),
             CubeDim::new_1d(ROW_CUBE),
             vs,
+            super::norm::parts_width(vs),
             ArrayArg::from_raw_parts(h.clone(), rows * vecs),
             ArrayArg::from_raw_parts(d_h.clone(), rows * vecs),
             ArrayArg::from_raw_parts(
                 parts.clone(),
-                if slices > 0 { slices * rows * dim } else { 1 },
+                if slices > 0 { slices * rows * dim / super::norm::parts_width(vs) } else { 1 },
             ),
             ArrayArg::from_raw_parts(gain.clone(), dim),
             ArrayArg::from_raw_parts(a(0), rank * vecs),

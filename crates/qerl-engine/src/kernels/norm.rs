@@ -80,16 +80,28 @@ impl Residual<'_> {
     }
 }
 
+/// The f32 vector width the norms read a split product's K-slices in ([`residual_sum`]): four
+/// (16-byte loads) where it divides the row's vectors of `vs`, else `vs`. Scalar loads, each
+/// warp-wide load touching 32 sectors, made the 64-row norm over 9 slices as slow as the
+/// reduction launch it replaced (H200, 2026-11-28).
+pub(crate) fn parts_width(vs: usize) -> usize {
+    if vs.is_multiple_of(4) {
+        4
+    } else {
+        vs
+    }
+}
+
 /// Vector `v` of row `row` of the residual stream after the add, rounded to `F`: `h` alone
 /// (`!add`), `h + d`, or `h + F(Σ_s parts[s])` (`slices > 0`; slice stride `stride`
-/// elements), each sum in f32 and rounded once, as the product's reduction and the unfused
-/// add would round them.
+/// elements; `parts` in vectors of [`parts_width`]), each sum in f32 and rounded once, as the
+/// product's reduction and the unfused add would round them.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn residual_sum<F: Float, V: Size>(
+pub(crate) fn residual_sum<F: Float, V: Size, W: Size>(
     h: &Array<Vector<F, V>>,
     d: &Array<Vector<F, V>>,
-    parts: &Array<f32>,
+    parts: &Array<Vector<f32, W>>,
     row: usize,
     v: usize,
     vecs: usize,
@@ -110,16 +122,23 @@ pub(crate) fn residual_sum<F: Float, V: Size>(
                 sum[k] = F::cast_from(f32::cast_from(x[k]) + f32::cast_from(dv[k]));
             }
         } else {
+            let pw = parts.vector_size();
+            let at = (row * vecs + v) * comptime!(vs / pw);
+            let stride = stride / pw;
             #[unroll]
-            for k in 0..vs {
-                let at = (row * vecs + v) * vs + k;
-                let mut p = 0.0f32;
+            for q in 0..comptime!(vs / pw) {
+                // Slice 0, then each next one added in order: 0.0 + s0 + s1 + ... but for
+                // the sign of a zero.
+                let mut p = parts[at + q];
                 #[unroll]
-                for s in 0..slices {
-                    p += parts[s * stride + at];
+                for s in 1..slices {
+                    p += parts[s * stride + at + q];
                 }
-                let dk = F::cast_from(p);
-                sum[k] = F::cast_from(f32::cast_from(x[k]) + f32::cast_from(dk));
+                #[unroll]
+                for i in 0..pw {
+                    let dk = F::cast_from(p[i]);
+                    sum[q * pw + i] = F::cast_from(f32::cast_from(x[q * pw + i]) + f32::cast_from(dk));
+                }
             }
         }
     }
@@ -170,10 +189,10 @@ pub(crate) fn inv_rms<F: Float, V: Size>(
 /// at batch 1 on an H100, 57 launches a 7B decode step).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn add_rms_norm_kernel<F: Float, V: Size>(
+fn add_rms_norm_kernel<F: Float, V: Size, W: Size>(
     h: &mut Array<Vector<F, V>>,
     d: &Array<Vector<F, V>>,
-    parts: &Array<f32>,
+    parts: &Array<Vector<f32, W>>,
     gain: &Array<f32>,
     index: &Array<u32>,
     y: &mut Array<Vector<F, V>>,
@@ -204,7 +223,7 @@ fn add_rms_norm_kernel<F: Float, V: Size>(
         #[unroll]
         for u in 0..per_unit {
             let v = min(t + u * step, vecs - 1);
-            e[u] = residual_sum::<F, V>(h, d, parts, s, v, vecs, stride, add, slices);
+            e[u] = residual_sum::<F, V, W>(h, d, parts, s, v, vecs, stride, add, slices);
         }
         if add && !gather {
             #[unroll]
@@ -276,6 +295,7 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
 ) {
     let unused = gain.clone();
     let vs = super::vector_width::<F>(dim);
+    let pw = parts_width(vs);
     let per_unit = (dim / vs).div_ceil(ROW_CUBE as usize);
     let (add, slices) = d.mode();
     let (d_h, parts) = d.buffers(h);
@@ -289,12 +309,13 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
             grid_rows(rows),
             CubeDim::new_1d(ROW_CUBE),
             vs,
+            pw,
             ArrayArg::from_raw_parts(h.clone(), h_rows * dim / vs),
             // Without `d` the residual stands in (never read: `add` is false).
             ArrayArg::from_raw_parts(d_h.clone(), h_rows * dim / vs),
             ArrayArg::from_raw_parts(
                 parts.clone(),
-                if slices > 0 { slices * h_rows * dim } else { 1 },
+                if slices > 0 { slices * h_rows * dim / pw } else { 1 },
             ),
             ArrayArg::from_raw_parts(gain.clone(), dim),
             ArrayArg::from_raw_parts(index.unwrap_or(&unused).clone(), rows.max(1)),

@@ -322,6 +322,35 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
                 sq[DEPTH - 1][h] = scale_bytes[(row_block0[h] + cn * (CHUNK / BLOCK)) >> 2];
             }
         }
+#if LORA_INSIDE
+        // Before the decode, while the tensor cores are idle: this warp's token tiles times the
+        // adapter's rows, four 16-deep steps, both operands by `ldmatrix` from the chunk's
+        // buffer (core `(nb*4 + s)*2 + kh`, 8 rows of 16 bytes; lanes 8j..8j+7 address matrix
+        // j's rows). Placed after the `wgmma` issue, they waited on the busy tensor pipe inside
+        // the loop's critical path.
+        {
+            const u32 base = xs_base + (u32)(buf * BUF_WORDS) * 4u + (u32)(lane & 7) * 16u;
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+#pragma unroll
+                for (int rt = 0; rt < LORA_RT; ++rt) {
+                    u32 af[4];
+                    const int nb = N_TOK / 8 + 2 * rt + ((lane >> 3) & 1);
+                    ldmatrix_x4(af, base + (u32)(((nb * 4 + s) * 2 + (lane >> 4)) * 128));
+#pragma unroll
+                    for (int j = 0; j < NT_PER; ++j) {
+                        const int nt = warp + j * WARPS;
+                        if (nt < M_TILES) {
+                            u32 b0, b1;
+                            ldmatrix_x2(b0, b1,
+                                base + (u32)(((nt * 4 + s) * 2 + ((lane >> 3) & 1)) * 128));
+                            mma_16816(tacc + (j * LORA_RT + rt) * 4, af, b0, b1);
+                        }
+                    }
+                }
+            }
+        }
+#endif
         // One block scale a row for the lane's 16 codes, with 2^63 of the placement's 2^126.
         u32 sc[2];
         {
@@ -355,33 +384,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
             wgmma_step(acc, a[s][0], a[s][1], a[s][2], a[s][3], desc);
         }
         wgmma_commit();
-#if LORA_INSIDE
-        // While the tensor cores work: this warp's 8 tokens times the adapter's rows, four
-        // 16-deep steps, both operands by `ldmatrix` from the chunk's buffer (core
-        // `(nb*4 + s)*2 + kh`, 8 rows of 16 bytes; lanes 8j..8j+7 address matrix j's rows).
-        {
-            const u32 base = xs_base + (u32)(buf * BUF_WORDS) * 4u + (u32)(lane & 7) * 16u;
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-#pragma unroll
-                for (int rt = 0; rt < LORA_RT; ++rt) {
-                    u32 af[4];
-                    const int nb = N_TOK / 8 + 2 * rt + ((lane >> 3) & 1);
-                    ldmatrix_x4(af, base + (u32)(((nb * 4 + s) * 2 + (lane >> 4)) * 128));
-#pragma unroll
-                    for (int j = 0; j < NT_PER; ++j) {
-                        const int nt = warp + j * WARPS;
-                        if (nt < M_TILES) {
-                            u32 b0, b1;
-                            ldmatrix_x2(b0, b1,
-                                base + (u32)(((nt * 4 + s) * 2 + ((lane >> 3) & 1)) * 128));
-                            mma_16816(tacc + (j * LORA_RT + rt) * 4, af, b0, b1);
-                        }
-                    }
-                }
-            }
-        }
-#endif
         // Chunk c + 1 into the other buffer (its readers, chunk c - 1's steps, have finished),
         // then chunk c + 2's loads, while the tensor cores work.
         if (buf) {

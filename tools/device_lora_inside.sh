@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One device call for the LoRA down-projection inside the warpgroup product (LORA_INSIDE,
+# session 27) and the o/down K-slices read by the next norm: the segment tests against the
+# host f64 reference first (warpgroup kernel; stops here if they fail), then the rollout at
+# batch 64 under AB_VARIANTS alternating ROUNDS times (wall time), then batch 256 under
+# VARIANTS256 (the first with the benchmark's check), then (SASS=1) ptxas registers and spills
+# of the kernel per SASS_VARIANTS.
+# Carry .device/qerl.tar.gz and .device/kernels.xz. There: bash tools/device_lora_inside.sh
+set -uo pipefail
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source tools/device_cache.sh
+source tools/device_cuda_libs.sh > /dev/null
+mkdir -p /tmp/qm && tar -xzf .device/qerl.tar.gz -C /tmp/qm
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ
+if [ "${TESTS:-1}" = 1 ]; then
+  xz -dkf .device/kernels.xz && chmod +x .device/kernels
+  start=$SECONDS
+  QERL_MMA_TEST_KERNEL=warpgroup QERL_MMA_TEST_TILES=default timeout -k 10 200 .device/kernels \
+    --ignored --test-threads=1 --nocapture cuda_bf16::matmul_mma_segments > "$OUT/test.txt" 2>&1
+  grep -E "^test |test result|panicked|inside|warpgroup kernel|seed" "$OUT/test.txt" | head -12
+  echo "segments tests: $((SECONDS - start)) s"
+  grep -q "test result: ok" "$OUT/test.txt" || { echo "== tests failed: no timing"; exit 0; }
+fi
+bench() { # env... -- batch check
+  timeout -k 5 ${RUN_T:-150} "$@" 2>&1 | grep -E "^\| qwen|check|error" ; }
+for i in $(seq 1 ${ROUNDS:-3}); do
+  for v in ${AB_VARIANTS:-old:QERL_LORA_INSIDE=0,QERL_RESIDUAL_PARTS=0 new:}; do
+    name=${v%%:*}; IFS=, read -ra ev <<< "${v#*:}"
+    r=$(env "${ev[@]}" timeout -k 5 150 /tmp/qm/qerl bench rollout --shape qwen2.5-7b \
+      --precision nvfp4 --batch ${AB_BATCH:-64} --prompt 256 --new-tokens 128 --no-check 2>/dev/null |
+      grep "| qwen" | awk -F'|' '{print $6, $8}')
+    echo "ab $i $name: ms/step, decode tokens/s = $r"
+  done
+done
+first=1
+for v in ${VARIANTS256:-new: old:QERL_LORA_INSIDE=0,QERL_RESIDUAL_PARTS=0}; do
+  name=${v%%:*}; IFS=, read -ra ev <<< "${v#*:}"
+  check=--no-check; [ $first = 1 ] && [ "${CHECK:-1}" = 1 ] && check=; first=0
+  echo "== b256 $name (${v#*:}) $check"
+  env "${ev[@]}" timeout -k 5 200 /tmp/qm/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 \
+    --batch 256 --prompt 256 --new-tokens 128 $check 2>&1 | grep -E "^\| qwen|check|error"
+done
+if [ "${SASS:-1}" = 1 ]; then
+  for v in ${SASS_VARIANTS:-old:QERL_LORA_INSIDE=0 inside:}; do
+    name=${v%%:*}; IFS=, read -ra ev <<< "${v#*:}"
+    rm -rf /tmp/sass-run
+    echo "== ptxas $name (${v#*:})"
+    env "${ev[@]}" OUT="$OUT/$name" PATTERN=wgmma ARCH=sm_90a BATCHES=64 \
+      bash tools/device_sass.sh /tmp/qm/qerl > /dev/null 2>&1
+    mkdir -p "/tmp/s-$name" && tar -xzf "$OUT/$name/sass.tgz" -C "/tmp/s-$name" 2>/dev/null
+    for f in /tmp/s-$name/*.ptxas.txt; do
+      echo "-- $(basename "$f")"
+      grep -E "registers|spill|C7515" "$f" | cut -c1-200 | head -4
+    done
+  done
+fi
