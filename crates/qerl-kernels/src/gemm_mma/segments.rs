@@ -257,7 +257,9 @@ pub(crate) fn computes_lora_down<R: Runtime, F: Float>(
     let bf16 = F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked();
     #[cfg(feature = "cuda")]
     {
-        bf16 && super::warpgroup::inside_rank(rank) && super::warpgroup::runs(client, &plan.0)
+        bf16 && super::warpgroup::inside_rank(rank)
+            && super::warpgroup::inside_geometry(&plan.0)
+            && super::warpgroup::runs(client, &plan.0)
     }
     #[cfg(not(feature = "cuda"))]
     {

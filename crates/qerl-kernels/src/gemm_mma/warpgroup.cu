@@ -19,14 +19,17 @@
 //   SBO (descriptor strides), LORA_INSIDE and LORA_RT (below), and `wgmma_step` for this N in
 //   place of the marker below.
 //
-// LORA_INSIDE (with HAS_LORA): the LoRA down-projection is computed here, not read. The
-// `lora_t` argument then points at the adapter's `A [r, K]` (bf16, r = 16*LORA_RT): its rows
-// of each chunk are copied into the `X` buffer after the tokens, through the same permuted
-// store, so `mma.m16n8k16` on the two (both read with `ldmatrix`) gives this cube's
-// `T_z[tokens, r] = X · Aᵀ` over its own K-slice z, whatever the permutation. Every slice then
-// adds its own `s·T_z·Bᵀ`: summed over the slices that is the whole LoRA term (each slice's
-// `T_z` rounded to bf16 for the up-projection, where the separate launch rounded `T` once).
-// One launch fewer per product (the down-projection's), for ~12 instructions a chunk a warp.
+// LORA_INSIDE (with HAS_LORA, 64 tokens a cube): the LoRA down-projection is computed here,
+// not read. The `lora_t` argument then points at the adapter's `A [r, K]` (bf16,
+// r = 16*LORA_RT): its rows of each chunk are copied into the `X` buffer after the tokens,
+// through the same permuted store, so one more `wgmma` a 16-deep step of the first warpgroup,
+// both operands from shared memory (the 64 tokens as its M, `A`'s rows as its N), gives this
+// cube's `T_z[tokens, r] = X · Aᵀ` over its own K-slice z, whatever the permutation; it joins
+// the chunk's commit group, so it adds no wait. Every slice then adds its own `s·T_z·Bᵀ`:
+// summed over the slices that is the whole LoRA term (each slice's `T_z` rounded to bf16 for
+// the up-projection, where the separate launch rounded `T` once). One launch fewer per
+// product, the down-projection's. (`ldmatrix` + `mma.m16n8k16` per warp in place of the
+// `wgmma` made the product 15-20% slower: H200, 2026-11-28.)
 //
 // Shared memory: `X` of one chunk (N tokens x 64) as 8x8 core matrices (128 bytes: 8 tokens x
 // 8 values), core `((nb*4 + s)*2 + kh)` holding tokens `8nb..8nb+8` at the logical columns
@@ -56,6 +59,9 @@ typedef u16 out_t;
 #define CHUNK 64
 #if LORA_INSIDE
 #define A_ROWS (16 * LORA_RT)
+#if N_TOK != 64
+#error "LORA_INSIDE: the T step's M is the cube's 64 tokens"
+#endif
 #else
 #define A_ROWS 0
 #endif
@@ -128,20 +134,6 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four (x4) or two (x2) 8x8 b16 matrices from shared memory, the `mma` fragment layout.
-__device__ __forceinline__ void ldmatrix_x4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x2(u32& r0, u32& r1, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(r0), "=r"(r1)
-                 : "r"(addr)
-                 : "memory");
 }
 
 // @wgmma_step@
@@ -264,12 +256,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     }
     STORE_A(0);
     ar = lora_a[a_off + imin(c0 + 1, last_chunk) * 8];
-    // T^T[r, tokens] of this cube's K-slice in m16n8k16 tiles (rows r, columns 8 tokens):
-    // token tile nt = warp + j*WARPS is this warp's j-th.
-#define NT_PER ((M_TILES + WARPS - 1) / WARPS)
-    float tacc[NT_PER * 4 * LORA_RT];
+    // T[tokens, r] of this cube's K-slice, the first warpgroup's `wgmma` accumulators: warp w
+    // holds tokens 16w + g (+8), columns 8j + 2t (+1), as `tacc[4j + 2h + e]`.
+    float tacc[A_ROWS / 2];
 #pragma unroll
-    for (int i = 0; i < NT_PER * 4 * LORA_RT; ++i) tacc[i] = 0.0f;
+    for (int i = 0; i < A_ROWS / 2; ++i) tacc[i] = 0.0f;
 #endif
 
     // Rows g and g + 8 of this warp's 16 (a row past N reads row N - 1; never stored).
@@ -322,35 +313,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
                 sq[DEPTH - 1][h] = scale_bytes[(row_block0[h] + cn * (CHUNK / BLOCK)) >> 2];
             }
         }
-#if LORA_INSIDE
-        // Before the decode, while the tensor cores are idle: this warp's token tiles times the
-        // adapter's rows, four 16-deep steps, both operands by `ldmatrix` from the chunk's
-        // buffer (core `(nb*4 + s)*2 + kh`, 8 rows of 16 bytes; lanes 8j..8j+7 address matrix
-        // j's rows). Placed after the `wgmma` issue, they waited on the busy tensor pipe inside
-        // the loop's critical path.
-        {
-            const u32 base = xs_base + (u32)(buf * BUF_WORDS) * 4u + (u32)(lane & 7) * 16u;
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-#pragma unroll
-                for (int rt = 0; rt < LORA_RT; ++rt) {
-                    u32 af[4];
-                    const int nb = N_TOK / 8 + 2 * rt + ((lane >> 3) & 1);
-                    ldmatrix_x4(af, base + (u32)(((nb * 4 + s) * 2 + (lane >> 4)) * 128));
-#pragma unroll
-                    for (int j = 0; j < NT_PER; ++j) {
-                        const int nt = warp + j * WARPS;
-                        if (nt < M_TILES) {
-                            u32 b0, b1;
-                            ldmatrix_x2(b0, b1,
-                                base + (u32)(((nt * 4 + s) * 2 + ((lane >> 3) & 1)) * 128));
-                            mma_16816(tacc + (j * LORA_RT + rt) * 4, af, b0, b1);
-                        }
-                    }
-                }
-            }
-        }
-#endif
         // One block scale a row for the lane's 16 codes, with 2^63 of the placement's 2^126.
         u32 sc[2];
         {
@@ -377,12 +339,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         }
 #pragma unroll
         for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
+#if LORA_INSIDE
+#pragma unroll
+        for (int i = 0; i < A_ROWS / 2; ++i) fence_operand(tacc[i]);
+#endif
         wgmma_fence();
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
             const u64 desc = smem_desc(xs_base + (buf * BUF_WORDS + s * 2 * 32) * 4);
             wgmma_step(acc, a[s][0], a[s][1], a[s][2], a[s][3], desc);
         }
+#if LORA_INSIDE
+        // The first warpgroup: T += X[64 tokens, chunk] · A[r, chunk]ᵀ, the adapter's rows
+        // after the tokens in the same buffer (core ((N_TOK/8)*4 + s)*2: same strides).
+        if (warp < 4) {
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const u32 at = xs_base + (buf * BUF_WORDS + s * 2 * 32) * 4;
+                wgmma_lora(tacc, smem_desc(at), smem_desc(at + (N_TOK / 8) * 4 * 2 * 32 * 4));
+            }
+        }
+#endif
         wgmma_commit();
         // Chunk c + 1 into the other buffer (its readers, chunk c - 1's steps, have finished),
         // then chunk c + 2's loads, while the tensor cores work.
@@ -404,6 +381,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         wgmma_wait_all();
 #pragma unroll
         for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
+#if LORA_INSIDE
+#pragma unroll
+        for (int i = 0; i < A_ROWS / 2; ++i) fence_operand(tacc[i]);
+#endif
         fence_proxy_async();
         __syncthreads();
         buf ^= 1;
@@ -414,22 +395,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     for (int i = 0; i < N_TOK / 2; ++i) acc[i] *= TWO_POW_63;
 
 #if LORA_INSIDE
-    // T_z [N_TOK, A_ROWS] in f32 into shared memory (the buffers are free: every `wgmma` and
-    // `ldmatrix` of the loop is behind its last barrier), for every warp's up-projection.
+    // T_z [N_TOK, A_ROWS] in f32 into shared memory (the buffers are free: every `wgmma` of
+    // the loop is behind its last barrier), for every warp's up-projection.
     float* ts = (float*)xs;
+    if (warp < 4) {
 #pragma unroll
-    for (int j = 0; j < NT_PER; ++j) {
-        const int nt = warp + j * WARPS;
-        if (nt < M_TILES) {
-#pragma unroll
-            for (int rt = 0; rt < LORA_RT; ++rt) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int r = 16 * rt + g + 8 * (i >> 1);
-                    const int tok = 8 * nt + 2 * t + (i & 1);
-                    ts[tok * A_ROWS + r] = tacc[(j * LORA_RT + rt) * 4 + i];
-                }
-            }
+        for (int i = 0; i < A_ROWS / 2; ++i) {
+            const int tok = 16 * warp + g + 8 * ((i >> 1) & 1);
+            const int r = 8 * (i >> 2) + 2 * t + (i & 1);
+            ts[tok * A_ROWS + r] = tacc[i];
         }
     }
     __syncthreads();

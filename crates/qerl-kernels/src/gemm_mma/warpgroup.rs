@@ -68,9 +68,16 @@ pub(crate) struct Config {
 }
 
 /// Whether the kernel computes the LoRA down-projection of an adapter of `rank` itself
-/// (`LORA_INSIDE`): ranks 16 and 32 (whole `m16n8k16` tiles of `A`'s rows, at most two).
+/// (`LORA_INSIDE`): rank 16 (one `wgmma.m64n16k16` a step; eight accumulators a thread of
+/// the first warpgroup, within the two-cubes-a-multiprocessor register budget).
 pub(crate) fn inside_rank(rank: usize) -> bool {
-    rank == 16 || rank == 32
+    rank == 16
+}
+
+/// Whether `g` can compute the LoRA down-projection inside: 64 tokens a cube (the `T` step's
+/// M).
+pub(crate) fn inside_geometry(g: &Geometry) -> bool {
+    g.m_tiles == 8
 }
 
 impl Config {
@@ -100,7 +107,11 @@ impl Config {
             ("LBO", lbo),
             ("SBO", sbo),
         ]);
-        text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
+        let mut steps = wgmma_step(8 * self.m_tiles);
+        if self.lora_inside {
+            steps.push_str(&wgmma_lora(16 * self.lora_rt));
+        }
+        text.push_str(&SOURCE.replace("// @wgmma_step@", &steps));
         text
     }
 }
@@ -130,6 +141,26 @@ fn wgmma_step(n: usize) -> String {
         a2 = regs + 2,
         a3 = regs + 3,
         desc = regs + 4,
+        outs = outs.join(", "),
+    )
+}
+
+/// `wgmma_lora(d, desc_a, desc_b)`: `d[n/2] += X[64x16] · A[16xn]` for the first warpgroup,
+/// both operands K-major from shared memory (the cube's 64 tokens, the adapter's `n` rows), f32
+/// accumulators in the `mma` layout (LORA_INSIDE).
+fn wgmma_lora(n: usize) -> String {
+    let regs = n / 2;
+    let d: Vec<String> = (0..regs).map(|i| format!("%{i}")).collect();
+    let outs: Vec<String> = (0..regs).map(|i| format!("\"+f\"(d[{i}])")).collect();
+    format!(
+        "__device__ __forceinline__ void wgmma_lora(float* d, u64 desc_a, u64 desc_b) {{\n  \
+         asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{p}, 0;\\n\"\n  \
+         \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, %{da}, %{db}, p, 1, \
+         1, 0, 0;\\n}}\\n\"\n  : {outs}\n  : \"l\"(desc_a), \"l\"(desc_b), \"r\"(1));\n}}\n",
+        p = regs + 2,
+        d = d.join(", "),
+        da = regs,
+        db = regs + 1,
         outs = outs.join(", "),
     )
 }
@@ -254,5 +285,7 @@ mod tests {
         assert!(s.contains("%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;"));
         assert!(s.contains("setp.ne.b32 p, %37, 0;"));
         assert!(s.contains("\"+f\"(d[31])") && !s.contains("d[32]"));
+        assert!(s.contains("m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p"));
+        assert!(s.contains("setp.ne.b32 p, %10, 0;"));
     }
 }
