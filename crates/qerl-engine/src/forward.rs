@@ -13,8 +13,7 @@
 //! ([`Residual::Parts`]). Past those rows, where the q/k/v and gate/up products split along K,
 //! RoPE and SiLU·mul add their K-slices ([`crate::kernels::rope::rope_kv_parts`],
 //! [`crate::kernels::act::silu_mul_parts`]) and the norms add o's and down's, in place of four
-//! reduction launches, and on sm_90 the products compute their LoRA down-projections inside
-//! (four launches fewer). The products themselves are launched from [`crate::products`].
+//! reduction launches. The products themselves are launched from [`crate::products`].
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;

@@ -22,8 +22,8 @@ const LORA_DENSE_MAX_ROWS: usize = 256;
 /// where it would end in a split-K reduction of its own, its unreduced K-slices for that norm
 /// to add ([`crate::kernels::norm::Residual::Parts`]): one launch fewer a layer. Up to
 /// [`crate::kernels::fused_lora::MAX_ROWS`] rows through the decode kernel's K-slices; past
-/// them through the segment launch ([`linears_or_parts`]), which also computes the LoRA
-/// down-projection inside where it can. `t_ready`: the kernel before filled `t[0]`.
+/// them through the segment launch of one product ([`linears_or_parts`]). `t_ready`: the
+/// kernel before filled `t[0]`.
 pub(crate) fn residual_product<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -114,10 +114,8 @@ pub(crate) fn linears<R: Runtime, F: Float>(
 }
 
 /// [`linears`]; with `keep_parts`, where the products run as one split segment launch, their
-/// unreduced K-slices (biases not added) instead of the outputs ([`gemm::run_segments`]).
-/// Where that launch computes the LoRA down-projections itself
-/// ([`gemm::SegmentsRoute::computes_lora_down`], [`crate::kernels::lora_inside_enabled`]) and
-/// `t` is not ready, it gets the adapters' `A` and no down-projection launch runs before it.
+/// unreduced K-slices (biases not added) instead of the outputs
+/// ([`gemm::matmul_segments_or_parts`]; a single product too).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -129,6 +127,9 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
     t_ready: bool,
     keep_parts: bool,
 ) -> Result<Option<gemm::SplitParts>, EngineError> {
+    if !t_ready {
+        lora_downs::<R, F>(client, x, m, layers, t)?;
+    }
     // 4-bit weights sharing the input: one decode launch for all where the kernel takes them
     // (a single one too where it may keep its K-slices).
     let quant: Vec<gemm::SegmentProduct<'_>> = layers
@@ -150,28 +151,10 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
             Frozen::Dense(_) => None,
         })
         .collect();
-    let route = if quant.len() == layers.len() && (layers.len() > 1 || keep_parts) {
-        Some(gemm::segments_route::<R, F>(client, m, &quant)?).filter(|r| r.taken())
-    } else {
-        None
-    };
-    let inside = !t_ready
-        && crate::kernels::lora_inside_enabled()
-        && route.as_ref().is_some_and(|r| r.computes_lora_down());
-    if !t_ready && !inside {
-        lora_downs::<R, F>(client, x, m, layers, t)?;
-    }
-    if let Some(route) = &route {
-        let a: Vec<&Handle> = layers
-            .iter()
-            .filter_map(|l| l.lora.as_ref().map(|a| &a.a))
-            .collect();
-        let lora_a = inside.then_some(&a[..]);
-        match gemm::run_segments::<R, F>(client, x, m, &quant, route, keep_parts, lora_a)? {
+    if (layers.len() > 1 || keep_parts) && quant.len() == layers.len() {
+        match gemm::matmul_segments_or_parts::<R, F>(client, x, m, &quant, keep_parts)? {
             SegmentsOutcome::Written => return Ok(None),
             SegmentsOutcome::Parts(p) => return Ok(Some(p)),
-            // Not on a route that takes them; were it so, `T` for the loop below.
-            SegmentsOutcome::NotTaken if inside => lora_downs::<R, F>(client, x, m, layers, t)?,
             SegmentsOutcome::NotTaken => {}
         }
     }

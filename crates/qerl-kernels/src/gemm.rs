@@ -662,7 +662,8 @@ pub enum SegmentsOutcome {
 
 /// [`matmul_segments`], saying what it did; with `keep_parts`, where it would end in a split-K
 /// reduction (the decode-batch `mma` kernels) it returns the partial sums instead, without the
-/// biases ([`SegmentsOutcome::Parts`]). [`segments_route`] then [`run_segments`].
+/// biases ([`SegmentsOutcome::Parts`]). Through the `mma` kernels it also takes a single
+/// product (the engine's o and down products, whose K-slices the next norm adds).
 pub fn matmul_segments_or_parts<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -670,58 +671,22 @@ pub fn matmul_segments_or_parts<R: Runtime, F: Float>(
     products: &[SegmentProduct<'_>],
     keep_parts: bool,
 ) -> Result<SegmentsOutcome, KernelError> {
-    let route = segments_route::<R, F>(client, m, products)?;
-    run_segments::<R, F>(client, x, m, products, &route, keep_parts, None)
-}
-
-/// Which launch [`run_segments`] makes for one to three products of one input (see
-/// [`matmul_segments`]; one product only through the decode-batch `mma` kernels), decided
-/// before anything runs, so that a caller knows whether the launch computes the LoRA
-/// down-projections itself ([`SegmentsRoute::computes_lora_down`]).
-pub struct SegmentsRoute {
-    kind: RouteKind,
-    lora_down_inside: bool,
-}
-
-enum RouteKind {
-    NotTaken,
-    Mma(crate::gemm_mma::SegmentPlan),
-    Decode,
-}
-
-impl SegmentsRoute {
-    /// Whether [`run_segments`] can take the adapters' `A` instead of `T` (`lora_a`) and
-    /// compute each `T = X·Aᵀ` inside the product launch: the warpgroup kernel (sm_90, bf16),
-    /// rank 16 or 32. One launch fewer per product: the down-projection's.
-    pub fn computes_lora_down(&self) -> bool {
-        self.lora_down_inside
-    }
-
-    /// Whether any launch takes the products (else [`run_segments`] returns
-    /// [`SegmentsOutcome::NotTaken`]).
-    pub fn taken(&self) -> bool {
-        !matches!(self.kind, RouteKind::NotTaken)
-    }
-}
-
-/// The route of `products` at `m` rows (see [`SegmentsRoute`]).
-pub fn segments_route<R: Runtime, F: Float>(
-    client: &ComputeClient<R>,
-    m: usize,
-    products: &[SegmentProduct<'_>],
-) -> Result<SegmentsRoute, KernelError> {
-    let not_taken = SegmentsRoute {
-        kind: RouteKind::NotTaken,
-        lora_down_inside: false,
-    };
     let Some(first) = products.first() else {
-        return Ok(not_taken);
+        return Ok(SegmentsOutcome::NotTaken);
     };
     if m == 0 {
         return Err(shape_err("matmul_segments", "M = 0".into()));
     }
     let k = first.weight.k;
-    let segs = gemv_segments(products);
+    let segs: Vec<crate::gemv::Segment<'_>> = products
+        .iter()
+        .map(|p| crate::gemv::Segment {
+            weight: p.weight,
+            bias: p.bias,
+            lora: p.lora.as_ref().map(|l| (l.t, l.b, l.rank, l.scale)),
+            y: p.y,
+        })
+        .collect();
     let rank = first.lora.as_ref().map(|l| l.rank);
     // Rows the mma kernel takes (see `matmul`): one staged launch, else one by one.
     if m >= crate::gemm_mma::options().min_m && mma_applies::<R, F>(client, m, first.weight, rank) {
@@ -730,87 +695,25 @@ pub fn segments_route<R: Runtime, F: Float>(
             .all(|p| mma_applies::<R, F>(client, m, p.weight, rank))
             .then(|| crate::gemm_mma::plan_segments::<R, F>(client, m, &segs))
             .flatten();
-        return Ok(match plan {
-            Some(plan) => SegmentsRoute {
-                lora_down_inside: products.iter().all(|p| p.lora.is_some())
-                    && rank.is_some_and(|r| {
-                        crate::gemm_mma::computes_lora_down::<R, F>(client, &plan, r)
-                    }),
-                kind: RouteKind::Mma(plan),
-            },
-            None => not_taken,
+        let Some(plan) = plan else {
+            return Ok(SegmentsOutcome::NotTaken);
+        };
+        check_segments::<F>(x, m, k, products)?;
+        let parts =
+            crate::gemm_mma::launch_segments::<R, F>(client, x, m, &segs, &plan, keep_parts);
+        return Ok(match parts {
+            Some((parts, splits)) => SegmentsOutcome::Parts(SplitParts { parts, splits }),
+            None => SegmentsOutcome::Written,
         });
     }
-    let decode = products.len() > 1
-        && crate::gemv::segments_apply::<R, F>(client, m, &segs, tensor_cores::<R, F>(client, m, k));
-    Ok(if decode {
-        SegmentsRoute {
-            kind: RouteKind::Decode,
-            lora_down_inside: false,
-        }
-    } else {
-        not_taken
-    })
-}
-
-/// Runs `products` by `route` (from [`segments_route`] for the same products and rows).
-/// `lora_a`: each product's adapter `A [r, K]`, in place of a `T` not computed, only where
-/// [`SegmentsRoute::computes_lora_down`] holds (an error otherwise).
-pub fn run_segments<R: Runtime, F: Float>(
-    client: &ComputeClient<R>,
-    x: &Handle,
-    m: usize,
-    products: &[SegmentProduct<'_>],
-    route: &SegmentsRoute,
-    keep_parts: bool,
-    lora_a: Option<&[&Handle]>,
-) -> Result<SegmentsOutcome, KernelError> {
-    if let Some(a) = lora_a {
-        if !route.lora_down_inside || a.len() != products.len() {
-            return Err(shape_err(
-                "matmul_segments",
-                "the adapters' A given where the launch does not compute T itself".into(),
-            ));
-        }
+    // The decode kernel's segments: two or three (one product alone is `matmul`'s).
+    let tc = tensor_cores::<R, F>(client, m, k);
+    if products.len() < 2 || !crate::gemv::segments_apply::<R, F>(client, m, &segs, tc) {
+        return Ok(SegmentsOutcome::NotTaken);
     }
-    let k = products.first().map_or(0, |p| p.weight.k);
-    match &route.kind {
-        RouteKind::NotTaken => Ok(SegmentsOutcome::NotTaken),
-        RouteKind::Mma(plan) => {
-            check_segments::<F>(x, m, k, products)?;
-            if let Some(a) = lora_a {
-                let rank = products[0].lora.as_ref().map_or(0, |l| l.rank);
-                for h in a {
-                    check_buffer("matmul_segments", "LoRA A", h, bytes_of::<F>(rank * k))?;
-                }
-            }
-            let segs = gemv_segments(products);
-            let parts = crate::gemm_mma::launch_segments::<R, F>(
-                client, x, m, &segs, plan, keep_parts, lora_a,
-            );
-            Ok(match parts {
-                Some((parts, splits)) => SegmentsOutcome::Parts(SplitParts { parts, splits }),
-                None => SegmentsOutcome::Written,
-            })
-        }
-        RouteKind::Decode => {
-            check_segments::<F>(x, m, k, products)?;
-            crate::gemv::launch_segments::<R, F>(client, x, m, &gemv_segments(products));
-            Ok(SegmentsOutcome::Written)
-        }
-    }
-}
-
-fn gemv_segments<'a>(products: &'a [SegmentProduct<'a>]) -> Vec<crate::gemv::Segment<'a>> {
-    products
-        .iter()
-        .map(|p| crate::gemv::Segment {
-            weight: p.weight,
-            bias: p.bias,
-            lora: p.lora.as_ref().map(|l| (l.t, l.b, l.rank, l.scale)),
-            y: p.y,
-        })
-        .collect()
+    check_segments::<F>(x, m, k, products)?;
+    crate::gemv::launch_segments::<R, F>(client, x, m, &segs);
+    Ok(SegmentsOutcome::Written)
 }
 
 /// The buffers of [`matmul_segments`]: `x [M, K]`, each `y [M, N]`, bias `[N]`, LoRA `T [M, r]`

@@ -199,7 +199,11 @@ pub fn norm_lora<R: Runtime, F: Float>(
             ArrayArg::from_raw_parts(d_h.clone(), rows * vecs),
             ArrayArg::from_raw_parts(
                 parts.clone(),
-                if slices > 0 { slices * rows * dim / super::norm::parts_width(vs) } else { 1 },
+                if slices > 0 {
+                    slices * rows * dim / super::norm::parts_width(vs)
+                } else {
+                    1
+                },
             ),
             ArrayArg::from_raw_parts(gain.clone(), dim),
             ArrayArg::from_raw_parts(a(0), rank * vecs),

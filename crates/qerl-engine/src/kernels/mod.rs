@@ -80,15 +80,6 @@ pub fn residual_parts_enabled() -> bool {
     fused_reduce_enabled() && switch_on(&ON, "QERL_RESIDUAL_PARTS")
 }
 
-/// Whether the decode-batch products compute their LoRA down-projections inside their own
-/// launch where the kernel can ([`qerl_kernels::gemm::SegmentsRoute::computes_lora_down`]:
-/// the warpgroup kernel, sm_90, ranks 16 and 32) rather than in a launch of their own before
-/// (default on); `QERL_LORA_INSIDE=0` keeps the separate launches, for A/B timing.
-pub fn lora_inside_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    switch_on(&ON, "QERL_LORA_INSIDE")
-}
-
 /// Whether [`fused_reduce_enabled`] applies to q/k/v too ([`rope::rope_kv_parts`]);
 /// `QERL_ROPE_PARTS=0` keeps their reduction, for A/B timing.
 pub fn rope_parts_enabled() -> bool {

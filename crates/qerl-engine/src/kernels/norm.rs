@@ -137,7 +137,8 @@ pub(crate) fn residual_sum<F: Float, V: Size, W: Size>(
                 #[unroll]
                 for i in 0..pw {
                     let dk = F::cast_from(p[i]);
-                    sum[q * pw + i] = F::cast_from(f32::cast_from(x[q * pw + i]) + f32::cast_from(dk));
+                    sum[q * pw + i] =
+                        F::cast_from(f32::cast_from(x[q * pw + i]) + f32::cast_from(dk));
                 }
             }
         }
@@ -315,7 +316,11 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
             ArrayArg::from_raw_parts(d_h.clone(), h_rows * dim / vs),
             ArrayArg::from_raw_parts(
                 parts.clone(),
-                if slices > 0 { slices * h_rows * dim / pw } else { 1 },
+                if slices > 0 {
+                    slices * h_rows * dim / pw
+                } else {
+                    1
+                },
             ),
             ArrayArg::from_raw_parts(gain.clone(), dim),
             ArrayArg::from_raw_parts(index.unwrap_or(&unused).clone(), rows.max(1)),

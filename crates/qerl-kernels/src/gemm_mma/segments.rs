@@ -215,8 +215,8 @@ pub fn launches() -> usize {
 pub(crate) struct SegmentPlan(Geometry);
 
 /// The plan of one segmented launch of `segs` at `m` rows, or `None` where it does not apply:
-/// switched off, not 1 to 3 segments (one: a single product that keeps its K-slices or
-/// computes its LoRA down-projection inside, which only this launch offers), not the staged kernel (bf16 with the spread decoding,
+/// switched off, not 1 to 3 segments (one: a single product that keeps its K-slices, which
+/// only this launch offers), not the staged kernel (bf16 with the spread decoding,
 /// see [`Geometry::plan`]), or segments that differ in `K`, format, block, bias presence or
 /// LoRA rank, or whose `N` is not a multiple of the cube's column width (planned for the sum
 /// of the `N`s). The caller checked that the mma kernel applies to each weight.
@@ -247,33 +247,10 @@ pub(crate) fn plan<R: Runtime, F: Float>(
     (g.staged && segs.iter().all(|s| s.weight.n.is_multiple_of(width))).then_some(SegmentPlan(g))
 }
 
-/// Whether the launch of `plan` computes the LoRA down-projections of rank `rank` itself from
-/// the adapters' `A` ([`launch`]'s `lora_a`): the warpgroup kernel in bf16, ranks 16 and 32.
-pub(crate) fn computes_lora_down<R: Runtime, F: Float>(
-    client: &ComputeClient<R>,
-    plan: &SegmentPlan,
-    rank: usize,
-) -> bool {
-    let bf16 = F::as_type_native_unchecked() == half::bf16::as_type_native_unchecked();
-    #[cfg(feature = "cuda")]
-    {
-        bf16 && super::warpgroup::inside_rank(rank)
-            && super::warpgroup::inside_geometry(&plan.0)
-            && super::warpgroup::runs(client, &plan.0)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (client, plan, rank, bf16);
-        false
-    }
-}
-
 /// Launches `segs` (checked by [`plan`], which gave `plan`, and buffers checked by the caller) as
 /// one staged kernel and, when split, one segmented reduction; or, split with `keep_parts`,
 /// returns the partial sums `[splits, M, ΣN]` (each segment's columns after the previous ones',
-/// the LoRA term in slice 0 (in every slice with `lora_a`), the biases not added) and their
-/// count instead, no `y` written. `lora_a`: the adapters' `A`, one a segment, where
-/// [`computes_lora_down`] said so: `T` is computed inside and the segments' `T` never read.
+/// the LoRA term in slice 0, the biases not added) and their count instead, no `y` written.
 pub(crate) fn launch<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -281,18 +258,17 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     segs: &[Segment<'_>],
     plan: &SegmentPlan,
     keep_parts: bool,
-    lora_a: Option<&[&Handle]>,
 ) -> Option<(Handle, usize)> {
     let g = &plan.0;
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
     let splits = g.grid.2;
     if splits == 1 {
-        run::<R, F, F>(client, x, m, segs, g, None, lora_a);
+        run::<R, F, F>(client, x, m, segs, g, None);
         return None;
     }
     let n: usize = segs.iter().map(|s| s.weight.n).sum();
     let part = splitk::workspace(client, splits, m, n);
-    run::<R, F, f32>(client, x, m, segs, g, Some(&part), lora_a);
+    run::<R, F, f32>(client, x, m, segs, g, Some(&part));
     if keep_parts {
         return Some((part, splits));
     }
@@ -326,7 +302,6 @@ fn run<R: Runtime, F: Float, O: Float>(
     segs: &[Segment<'_>],
     g: &Geometry,
     part: Option<&Handle>,
-    lora_a: Option<&[&Handle]>,
 ) {
     let w = segs[0].weight;
     let k = w.k;
@@ -371,14 +346,9 @@ fn run<R: Runtime, F: Float, O: Float>(
     if super::warpgroup::runs(client, g) {
         let wsegs: Vec<crate::cuda_source::SegmentArgs> = segs
             .iter()
-            .enumerate()
-            .map(|(i, s)| {
+            .map(|s| {
                 let (t, b, scale) = match s.lora {
-                    // Inside: `lora_t` is bound to the adapter's `A`.
-                    Some((t, b, _, scale)) => match lora_a {
-                        Some(a) => (a[i].clone(), b.clone(), scale),
-                        None => (t.clone(), b.clone(), scale),
-                    },
+                    Some((t, b, _, scale)) => (t.clone(), b.clone(), scale),
                     None => (unused.clone(), unused.clone(), 0.0),
                 };
                 let bias = s.bias.filter(|_| has_bias).unwrap_or(&unused).clone();
@@ -388,14 +358,9 @@ fn run<R: Runtime, F: Float, O: Float>(
             .collect();
         let out_f32 = part.is_some();
         let flags = (has_bias, has_lora, out_f32);
-        let inside = lora_a.is_some() && has_lora;
-        super::warpgroup::launch(client, x, m, k, w.block(), g, &wsegs, flags, rank, inside);
+        super::warpgroup::launch(client, x, m, k, w.block(), g, &wsegs, flags, rank);
         return;
     }
-    assert!(
-        lora_a.is_none(),
-        "segments::launch: the LoRA down-projection inside without the warpgroup kernel"
-    );
     let (a0, a1, a2) = (args(0), args(1), args(2));
     let count = CubeCount::Static(g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32);
     // SAFETY: as above; `X` is read as 16-byte vectors (K is a multiple of 64).

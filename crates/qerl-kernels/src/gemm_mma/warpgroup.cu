@@ -16,20 +16,7 @@
 //   WARPS (4 or 8), M_TILES (1..8: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
 //   DEPTH (chunks of codes in flight, 1..4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
 //   SEGMENTS (1..3), MIN_CUBES (cubes a multiprocessor must hold: caps the registers), LBO,
-//   SBO (descriptor strides), LORA_INSIDE and LORA_RT (below), and `wgmma_step` for this N in
-//   place of the marker below.
-//
-// LORA_INSIDE (with HAS_LORA, 64 tokens a cube): the LoRA down-projection is computed here,
-// not read. The `lora_t` argument then points at the adapter's `A [r, K]` (bf16,
-// r = 16*LORA_RT): its rows of each chunk are copied into the `X` buffer after the tokens,
-// through the same permuted store, so one more `wgmma` a 16-deep step of the first warpgroup,
-// both operands from shared memory (the 64 tokens as its M, `A`'s rows as its N), gives this
-// cube's `T_z[tokens, r] = X · Aᵀ` over its own K-slice z, whatever the permutation; it joins
-// the chunk's commit group, so it adds no wait. Every slice then adds its own `s·T_z·Bᵀ`:
-// summed over the slices that is the whole LoRA term (each slice's `T_z` rounded to bf16 for
-// the up-projection, where the separate launch rounded `T` once). One launch fewer per
-// product, the down-projection's. (`ldmatrix` + `mma.m16n8k16` per warp in place of the
-// `wgmma` made the product 15-20% slower: H200, 2026-11-28.)
+//   SBO (descriptor strides), and `wgmma_step` for this N in place of the marker below.
 //
 // Shared memory: `X` of one chunk (N tokens x 64) as 8x8 core matrices (128 bytes: 8 tokens x
 // 8 values), core `((nb*4 + s)*2 + kh)` holding tokens `8nb..8nb+8` at the logical columns
@@ -57,16 +44,8 @@ typedef u16 out_t;
 #define THREADS (WARPS * 32)
 #define N_TOK (8 * M_TILES)
 #define CHUNK 64
-#if LORA_INSIDE
-#define A_ROWS (16 * LORA_RT)
-#if N_TOK != 64
-#error "LORA_INSIDE: the T step's M is the cube's 64 tokens"
-#endif
-#else
-#define A_ROWS 0
-#endif
-// u32 words of one chunk's buffer: the tokens' `X`, then (LORA_INSIDE) the adapter's rows.
-#define BUF_WORDS ((N_TOK + A_ROWS) * 32)
+// u32 words of one chunk's `X` buffer: N_TOK tokens x 64 bf16.
+#define BUF_WORDS (N_TOK * 32)
 #define WIDTH (WARPS * 16)
 #define TWO_POW_63 9.223372036854775808e18f
 
@@ -234,34 +213,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     STORE_X(0);
 #pragma unroll
     for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c0 + 1, last_chunk) * 8];
-#if LORA_INSIDE
-    // The adapter's rows as A_ROWS more "tokens" (item = tid, the same mapping as `X`'s).
-    const u32x4* lora_a = (const u32x4*)lora_t;
-    const bool a_ok = tid < A_ROWS * 8;
-    int a_off, a_st;
-    {
-        const int ic = a_ok ? tid : 0;
-        const int tt = ic & 3, nlo = (ic >> 2) & 7, w = (ic >> 5) & 1, nb = ic >> 6;
-        a_off = (nb * 8 + nlo) * (k_dim / 8) + 2 * tt + w;
-        a_st = ((N_TOK / 8 + nb) * 4 + 2 * w) * 2 * 32 + nlo * 4 + tt;
-    }
-    u32x4 ar = lora_a[a_off + imin(c0, last_chunk) * 8];
-#define STORE_A(b)                                                                       \
-    if (a_ok) {                                                                          \
-        u32* dst = xs + (b) * BUF_WORDS + a_st;                                          \
-        dst[0] = (ar.x & 0xffffu) | (ar.z << 16);                                        \
-        dst[32] = (ar.x >> 16) | (ar.z & 0xffff0000u);                                   \
-        dst[64] = (ar.y & 0xffffu) | (ar.w << 16);                                       \
-        dst[96] = (ar.y >> 16) | (ar.w & 0xffff0000u);                                   \
-    }
-    STORE_A(0);
-    ar = lora_a[a_off + imin(c0 + 1, last_chunk) * 8];
-    // T[tokens, r] of this cube's K-slice, the first warpgroup's `wgmma` accumulators: warp w
-    // holds tokens 16w + g (+8), columns 8j + 2t (+1), as `tacc[4j + 2h + e]`.
-    float tacc[A_ROWS / 2];
-#pragma unroll
-    for (int i = 0; i < A_ROWS / 2; ++i) tacc[i] = 0.0f;
-#endif
 
     // Rows g and g + 8 of this warp's 16 (a row past N reads row N - 1; never stored).
     // 32-bit offsets (a weight of up to 2^32 codes): the row's 8-byte code pair and block at
@@ -339,27 +290,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         }
 #pragma unroll
         for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
-#if LORA_INSIDE
-#pragma unroll
-        for (int i = 0; i < A_ROWS / 2; ++i) fence_operand(tacc[i]);
-#endif
         wgmma_fence();
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
             const u64 desc = smem_desc(xs_base + (buf * BUF_WORDS + s * 2 * 32) * 4);
             wgmma_step(acc, a[s][0], a[s][1], a[s][2], a[s][3], desc);
         }
-#if LORA_INSIDE
-        // The first warpgroup: T += X[64 tokens, chunk] · A[r, chunk]ᵀ, the adapter's rows
-        // after the tokens in the same buffer (core ((N_TOK/8)*4 + s)*2: same strides).
-        if (warp < 4) {
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-                const u32 at = xs_base + (buf * BUF_WORDS + s * 2 * 32) * 4;
-                wgmma_lora(tacc, smem_desc(at), smem_desc(at + (N_TOK / 8) * 4 * 2 * 32 * 4));
-            }
-        }
-#endif
         wgmma_commit();
         // Chunk c + 1 into the other buffer (its readers, chunk c - 1's steps, have finished),
         // then chunk c + 2's loads, while the tensor cores work.
@@ -370,21 +306,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
         }
 #pragma unroll
         for (int u = 0; u < per; ++u) xr[u] = x[x_off[u] + imin(c + 2, last_chunk) * 8];
-#if LORA_INSIDE
-        if (buf) {
-            STORE_A(0);
-        } else {
-            STORE_A(1);
-        }
-        ar = lora_a[a_off + imin(c + 2, last_chunk) * 8];
-#endif
         wgmma_wait_all();
 #pragma unroll
         for (int i = 0; i < N_TOK / 2; ++i) fence_operand(acc[i]);
-#if LORA_INSIDE
-#pragma unroll
-        for (int i = 0; i < A_ROWS / 2; ++i) fence_operand(tacc[i]);
-#endif
         fence_proxy_async();
         __syncthreads();
         buf ^= 1;
@@ -394,25 +318,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
 #pragma unroll
     for (int i = 0; i < N_TOK / 2; ++i) acc[i] *= TWO_POW_63;
 
-#if LORA_INSIDE
-    // T_z [N_TOK, A_ROWS] in f32 into shared memory (the buffers are free: every `wgmma` of
-    // the loop is behind its last barrier), for every warp's up-projection.
-    float* ts = (float*)xs;
-    if (warp < 4) {
-#pragma unroll
-        for (int i = 0; i < A_ROWS / 2; ++i) {
-            const int tok = 16 * warp + g + 8 * ((i >> 1) & 1);
-            const int r = 8 * (i >> 2) + 2 * t + (i & 1);
-            ts[tok * A_ROWS + r] = tacc[i];
-        }
-    }
-    __syncthreads();
-#endif
-
 #if HAS_LORA
-    // acc += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand (slice 0;
-    // every slice, each with its own T_z, when LORA_INSIDE).
-    if (LORA_INSIDE || !SPLIT || blockIdx.z == 0) {
+    // acc += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand (slice 0).
+    if (!SPLIT || blockIdx.z == 0) {
         for (int rc = 0; rc < (rank + 15) / 16; ++rc) {
             u32 af[4];
 #pragma unroll
@@ -431,11 +339,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
                     const int col = rc * 16 + 2 * t + q * 8;
                     bf[q] = 0u;
                     if (m < m_rows && col < rank) {
-#if LORA_INSIDE
-                        const float* tr = ts + (m - m0) * A_ROWS + col;
-#else
                         const float* tr = lora_t + (long)m * rank + col;
-#endif
                         bf[q] = pack_bf16x2(tr[0] * lora_scale, tr[1] * lora_scale);
                     }
                 }

@@ -61,23 +61,6 @@ pub(crate) struct Config {
     pub m_major: bool,
     pub out_f32: bool,
     pub segments: usize,
-    /// The LoRA down-projection computed inside (`lora_t` bound to `A`), for an adapter of
-    /// rank `16 · lora_rt` ([`inside_rank`]).
-    pub lora_inside: bool,
-    pub lora_rt: usize,
-}
-
-/// Whether the kernel computes the LoRA down-projection of an adapter of `rank` itself
-/// (`LORA_INSIDE`): rank 16 (one `wgmma.m64n16k16` a step; eight accumulators a thread of
-/// the first warpgroup, within the two-cubes-a-multiprocessor register budget).
-pub(crate) fn inside_rank(rank: usize) -> bool {
-    rank == 16
-}
-
-/// Whether `g` can compute the LoRA down-projection inside: 64 tokens a cube (the `T` step's
-/// M).
-pub(crate) fn inside_geometry(g: &Geometry) -> bool {
-    g.m_tiles == 8
 }
 
 impl Config {
@@ -101,17 +84,11 @@ impl Config {
             ("M_MAJOR", self.m_major as usize),
             ("OUT_F32", self.out_f32 as usize),
             ("SEGMENTS", self.segments),
-            ("LORA_INSIDE", self.lora_inside as usize),
-            ("LORA_RT", self.lora_rt.max(1)),
             ("MIN_CUBES", min_cubes),
             ("LBO", lbo),
             ("SBO", sbo),
         ]);
-        let mut steps = wgmma_step(8 * self.m_tiles);
-        if self.lora_inside {
-            steps.push_str(&wgmma_lora(16 * self.lora_rt));
-        }
-        text.push_str(&SOURCE.replace("// @wgmma_step@", &steps));
+        text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
     }
 }
@@ -145,30 +122,9 @@ fn wgmma_step(n: usize) -> String {
     )
 }
 
-/// `wgmma_lora(d, desc_a, desc_b)`: `d[n/2] += X[64x16] · A[16xn]` for the first warpgroup,
-/// both operands K-major from shared memory (the cube's 64 tokens, the adapter's `n` rows), f32
-/// accumulators in the `mma` layout (LORA_INSIDE).
-fn wgmma_lora(n: usize) -> String {
-    let regs = n / 2;
-    let d: Vec<String> = (0..regs).map(|i| format!("%{i}")).collect();
-    let outs: Vec<String> = (0..regs).map(|i| format!("\"+f\"(d[{i}])")).collect();
-    format!(
-        "__device__ __forceinline__ void wgmma_lora(float* d, u64 desc_a, u64 desc_b) {{\n  \
-         asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{p}, 0;\\n\"\n  \
-         \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, %{da}, %{db}, p, 1, \
-         1, 0, 0;\\n}}\\n\"\n  : {outs}\n  : \"l\"(desc_a), \"l\"(desc_b), \"r\"(1));\n}}\n",
-        p = regs + 2,
-        d = d.join(", "),
-        da = regs,
-        db = regs + 1,
-        outs = outs.join(", "),
-    )
-}
-
 /// Launches the kernel for `g` (the staged kernel's tiles, grid and split) over 1 to 3
 /// segments, into f32 partial sums when `out_f32`, else bf16 outputs; `has_bias`, `has_lora`
-/// as the staged kernel's flags; `lora_inside`: each segment's `lora_t` is its adapter's `A`
-/// (bf16 `[rank, K]`, [`inside_rank`]) and the kernel computes `T` itself. The caller checked
+/// as the staged kernel's flags. The caller checked
 /// [`available`], the buffers, and that every segment's `N` but the last is a multiple of the
 /// cube's `16 · warps` rows.
 #[allow(clippy::too_many_arguments)]
@@ -182,9 +138,7 @@ pub(crate) fn launch<R: Runtime>(
     segs: &[SegmentArgs],
     (has_bias, has_lora, out_f32): (bool, bool, bool),
     rank: usize,
-    lora_inside: bool,
 ) {
-    debug_assert!(!lora_inside || (has_lora && inside_rank(rank)));
     super::WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let Some(client) = crate::cublas::cuda_client(client) else {
         unreachable!("warpgroup::launch on a runtime other than CUDA (see `available`)");
@@ -200,8 +154,6 @@ pub(crate) fn launch<R: Runtime>(
         m_major: g.m_major,
         out_f32,
         segments: segs.len(),
-        lora_inside,
-        lora_rt: if lora_inside { rank / 16 } else { 1 },
     };
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
     let n_total: usize = segs.iter().map(|s| s.n).sum();
@@ -258,8 +210,6 @@ mod tests {
             m_major: false,
             out_f32: true,
             segments: 2,
-            lora_inside: true,
-            lora_rt: 1,
         };
         let s = c.source();
         for d in [
@@ -271,8 +221,6 @@ mod tests {
             "SPLIT 1",
             "OUT_F32 1",
             "SEGMENTS 2",
-            "LORA_INSIDE 1",
-            "LORA_RT 1",
             "MIN_CUBES 2",
             "LBO 128",
             "SBO 1024",
@@ -285,7 +233,5 @@ mod tests {
         assert!(s.contains("%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;"));
         assert!(s.contains("setp.ne.b32 p, %37, 0;"));
         assert!(s.contains("\"+f\"(d[31])") && !s.contains("d[32]"));
-        assert!(s.contains("m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p"));
-        assert!(s.contains("setp.ne.b32 p, %10, 0;"));
     }
 }
