@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One device call for the LoRA down-projection inside the warpgroup product (LORA_INSIDE,
-# session 27) and the o/down K-slices read by the next norm: the segment tests against the
-# host f64 reference first (warpgroup kernel; stops here if they fail), then the rollout at
-# batch 64 under AB_VARIANTS alternating ROUNDS times (wall time), then batch 256 under
-# VARIANTS256 (the first with the benchmark's check), then (SASS=1) ptxas registers and spills
-# of the kernel per SASS_VARIANTS.
-# Carry .device/qerl.tar.gz and .device/kernels.xz. There: bash tools/device_lora_inside.sh
+# One device call for an engine change measured by A/B (session 27: the LoRA down-projection
+# inside the warpgroup product, the o/down K-slices read by the next norm): the segment tests
+# against the host f64 reference first (warpgroup kernel; stops here if they fail), then the
+# rollout at batch AB_BATCH (64) under AB_VARIANTS alternating ROUNDS (3) times (wall time),
+# then batch 256 under VARIANTS256 (the first with the benchmark's check unless CHECK=0), then
+# (SASS=1) ptxas registers and spills of the warpgroup kernel per SASS_VARIANTS.
+# Carry .device/qerl.tar.gz and .device/kernels.xz. There: bash tools/device_ab.sh
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
