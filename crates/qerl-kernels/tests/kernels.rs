@@ -1285,20 +1285,27 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
                     kept += kept_parts_equal_outputs::<R, F>(
                         &c, &what, &xh, m, &segs, &ys, lora, rank, seed,
                     );
-                    // The first product alone (the engine's o and down products).
+                    // The first product alone (the engine's o and down products), against
+                    // its own written form (its split plan is its own, not the three's).
                     let what = format!("{what}, the first segment alone");
+                    let y1 = [poisoned::<R, F>(&c, m * segs[0].n)];
+                    let p1 = seg_products(&segs[..1], &y1, false, lora, rank);
+                    assert!(
+                        gemm::matmul_segments::<R, F>(&c, &xh, m, &p1).unwrap(),
+                        "{what}"
+                    );
                     kept += kept_parts_equal_outputs::<R, F>(
                         &c,
                         &what,
                         &xh,
                         m,
                         &segs[..1],
-                        &ys[..1],
+                        &y1,
                         lora,
                         rank,
                         seed,
                     );
-                    ran += 2;
+                    ran += 3;
                 }
             }
         }
