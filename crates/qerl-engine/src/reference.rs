@@ -240,8 +240,7 @@ pub fn random_model<R: Runtime, F: Float + CubeElement>(
     random_model_of_rank::<R, F>(c, s, seed, quant, 4)
 }
 
-/// [`random_model`] with LoRA adapters of rank `rank` (16 and 32 take the decode-batch
-/// products' down-projection inside their launch on sm_90).
+/// [`random_model`] with LoRA adapters of rank `rank` (the benchmark's is 16).
 pub fn random_model_of_rank<R: Runtime, F: Float + CubeElement>(
     c: &ComputeClient<R>,
     s: &ModelShape,
@@ -409,7 +408,7 @@ pub fn wide_test_shape() -> ModelShape {
 /// multi-pass prompts happen; plus four samples of one prompt), then two of
 /// [`wide_test_shape`]: decoding 12 rows at a time (16 requests, 24-token prefill passes,
 /// LoRA rank 4), and up to 40 (40 requests, rank 16: on sm_90 the warpgroup product from 33
-/// rows, with its LoRA down-projections inside).
+/// rows, every product's K-slices added by the kernel after it).
 pub fn check_engine<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     seed: u64,
