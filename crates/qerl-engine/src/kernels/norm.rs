@@ -205,10 +205,9 @@ fn add_rms_norm_kernel<F: Float, V: Size, W: Size>(
     #[comptime] slices: usize,
     #[comptime] gather: bool,
     #[comptime] per_unit: usize,
-    #[comptime] cube: usize,
 ) {
     let vs = h.vector_size();
-    let mut partial = SharedMemory::<f32>::new(cube);
+    let mut partial = SharedMemory::<f32>::new(ROW_CUBE as usize);
     let i = row_of_cube();
     // The whole cube takes the same branch, so the barriers inside are uniform.
     if i < rows as usize {
@@ -279,26 +278,6 @@ pub fn embed<R: Runtime, F: Float>(
     }
 }
 
-/// Units of a norm cube: [`ROW_CUBE`], or [`WIDE_CUBE`] where it adds a split product's
-/// K-slices and the device takes such cubes (CUDA), unless `QERL_NORM_WIDE=0` (A/B timing).
-/// At 64 rows the norm over 8-9 slices runs one cube a row on 64 multiprocessors, bound by the
-/// latency of its loads (ncu, H200, 2026-11-28: 9.8 µs, 24.7 cycles an instruction, 18 of them
-/// waiting on memory, 48 registers a unit: few loads in flight): four times the warps a row,
-/// each unit with half the vectors.
-fn norm_cube<R: Runtime>(client: &ComputeClient<R>, slices: usize) -> u32 {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let hw = &client.properties().hardware;
-    let fits = hw.max_units_per_cube >= WIDE_CUBE && hw.max_cube_dim.0 >= WIDE_CUBE;
-    if slices > 0 && fits && super::switch_on(&ON, "QERL_NORM_WIDE") {
-        WIDE_CUBE
-    } else {
-        ROW_CUBE
-    }
-}
-
-/// A norm cube's units where it adds K-slices ([`norm_cube`]).
-const WIDE_CUBE: u32 = 1024;
-
 /// Residual add ([`Residual`]) and RMSNorm of `rows` rows of `h [h_rows, dim]` into
 /// `y [rows, dim]`; with `index`, output row `i` is source row `index[i]` (the last token of each
 /// prefilled prompt, before the lm_head).
@@ -318,9 +297,8 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
     let unused = gain.clone();
     let vs = super::vector_width::<F>(dim);
     let pw = parts_width(vs);
+    let per_unit = (dim / vs).div_ceil(ROW_CUBE as usize);
     let (add, slices) = d.mode();
-    let cube = norm_cube(client, slices);
-    let per_unit = (dim / vs).div_ceil(cube as usize);
     let (d_h, parts) = d.buffers(h);
     // SAFETY: `h` and `d` hold `h_rows * dim` elements, the partial sums `slices` times that
     // (f32), `y` `rows * dim`, `gain` `dim`, and `index` `rows` ids below `h_rows` (built by
@@ -330,7 +308,7 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
         add_rms_norm_kernel::launch_unchecked::<F, R>(
             client,
             grid_rows(rows),
-            CubeDim::new_1d(cube),
+            CubeDim::new_1d(ROW_CUBE),
             vs,
             pw,
             ArrayArg::from_raw_parts(h.clone(), h_rows * dim / vs),
@@ -355,7 +333,6 @@ pub fn add_rms_norm<R: Runtime, F: Float>(
             slices,
             index.is_some(),
             per_unit,
-            cube as usize,
         );
     }
 }
