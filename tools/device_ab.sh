@@ -4,7 +4,11 @@
 # against the host f64 reference first (warpgroup kernel; stops here if they fail), then the
 # rollout at batch AB_BATCH (64) under AB_VARIANTS alternating ROUNDS (3) times (wall time),
 # then batch 256 under VARIANTS256 (the first with the benchmark's check unless CHECK=0), then
-# (SASS=1) ptxas registers and spills of the warpgroup kernel per SASS_VARIANTS.
+# (SASS=1) ptxas registers and spills of the warpgroup kernel per SASS_VARIANTS, then
+# (PROFILE="name:ENV@64 ...") tools/device_step_profile.sh's per-kernel GPU time of a step.
+# ENGINE_TESTS="filter ...": the engine's CUDA tests matching these filters instead of the
+# segment tests (carry .device/kernels_cuda, stripped; session 28: the tensor-core LoRA
+# down-projections).
 # Carry .device/qerl.tar.gz and .device/kernels.xz. There: bash tools/device_ab.sh
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
@@ -13,7 +17,16 @@ source tools/device_cache.sh
 source tools/device_cuda_libs.sh > /dev/null
 mkdir -p /tmp/qm && tar -xzf .device/qerl.tar.gz -C /tmp/qm
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ
-if [ "${TESTS:-1}" = 1 ]; then
+if [ -n "${ENGINE_TESTS:-}" ]; then
+  chmod +x .device/kernels_cuda
+  start=$SECONDS
+  # shellcheck disable=SC2086 # the filters are words
+  timeout -k 10 300 .device/kernels_cuda --ignored --test-threads=1 $ENGINE_TESTS \
+    > "$OUT/test.txt" 2>&1
+  grep -E "^test |test result|panicked|seed|differs|want" "$OUT/test.txt" | cut -c1-300 | head -16
+  echo "engine tests: $((SECONDS - start)) s"
+  grep -q "test result: ok" "$OUT/test.txt" || { echo "== tests failed: no timing"; exit 0; }
+elif [ "${TESTS:-1}" = 1 ]; then
   xz -dkf .device/kernels.xz && chmod +x .device/kernels
   start=$SECONDS
   QERL_MMA_TEST_KERNEL=warpgroup QERL_MMA_TEST_TILES=default timeout -k 10 200 .device/kernels \
@@ -54,4 +67,8 @@ if [ "${SASS:-1}" = 1 ]; then
       grep -E "registers|spill|C7515" "$f" | cut -c1-200 | head -4
     done
   done
+fi
+if [ -n "${PROFILE:-}" ]; then
+  # shellcheck disable=SC2086 # the variants are words
+  TOP=${TOP:-22} bash tools/device_step_profile.sh $PROFILE
 fi

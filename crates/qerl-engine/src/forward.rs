@@ -29,7 +29,7 @@ use crate::kernels::fused_reduce_enabled;
 use crate::kernels::norm::{add_rms_norm, embed, Residual};
 use crate::kernels::rope::{rope_kv, rope_kv_parts, RopeShape};
 use crate::kernels::sample::SampleScratch;
-use crate::products::{linears, linears_or_parts, product, residual_product};
+use crate::products::{linears, linears_or_parts, product, residual_product, LoraOutputs};
 use crate::weights::{EngineWeights, Linear};
 use crate::EngineError;
 
@@ -50,8 +50,9 @@ pub(crate) struct Workspace {
     pub gate: Handle,
     pub up: Handle,
     pub act: Handle,
-    /// LoRA `T = X·Aᵀ` of up to three adapters sharing an input, `[rows, rank]` f32 each.
-    pub t: [Handle; 3],
+    /// LoRA `T = X·Aᵀ` of up to three adapters sharing an input, `[rows, rank]` f32 each, with
+    /// the scratch of the kernel that computes them (its counters are `lora_counters`).
+    pub lora: LoraOutputs,
     /// Final-norm output of the rows that get logits, `[logit_rows, hidden]`.
     pub xf: Handle,
     /// `[logit_rows, vocab]` f32.
@@ -79,6 +80,7 @@ impl Workspace {
         let e = std::mem::size_of::<F>();
         let buf = |len: usize| client.empty(len.max(1) * e);
         let rank = w.max_rank().max(1);
+        let lora_counters = client.create_from_slice(u32::as_bytes(&vec![0u32; rows.max(1)]));
         Workspace {
             rows,
             h: buf(rows * s.hidden),
@@ -92,13 +94,17 @@ impl Workspace {
             gate: buf(rows * s.intermediate),
             up: buf(rows * s.intermediate),
             act: buf(rows * s.intermediate),
-            t: [0, 1, 2].map(|_| client.empty(rows * rank * 4)),
+            lora: LoraOutputs {
+                t: [0, 1, 2].map(|_| client.empty(rows * rank * 4)),
+                sums: client.empty(lora_down_scratch::<R, F>(client, s, rows).max(1) * 4),
+                counters: lora_counters.clone(),
+            },
             xf: buf(logit_rows * s.hidden),
             logits: client.empty(logit_rows * s.vocab * 4),
             logit_rows,
             lora_sums: client
                 .empty(rows * s.q_heads.max(silu_slices::<F>(s.intermediate)) * rank * 4),
-            lora_counters: client.create_from_slice(u32::as_bytes(&vec![0u32; rows.max(1)])),
+            lora_counters,
             attn_scratch: AttentionScratch::new(
                 client,
                 s.q_heads,
@@ -108,6 +114,31 @@ impl Workspace {
             ),
             sample_scratch: SampleScratch::new(client, logit_rows, s.vocab),
         }
+    }
+}
+
+/// f32 values of scratch the tensor-core LoRA down-projections need at up to `rows` rows of
+/// this shape: the largest over the products' depths (hidden, q_dim, intermediate), whatever
+/// the adapters. 0 without CUDA.
+fn lora_down_scratch<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    s: &crate::shape::ModelShape,
+    rows: usize,
+) -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        use qerl_kernels::lora_down_mma::{scratch_floats, MAX_M};
+        let m = rows.clamp(1, MAX_M);
+        [s.hidden, s.q_dim(), s.intermediate]
+            .iter()
+            .map(|&k| scratch_floats::<R, F>(client, m, k))
+            .max()
+            .unwrap_or(0)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (client, s, rows);
+        0
     }
 }
 
@@ -201,7 +232,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             m,
             &[&layer.q, &layer.k, &layer.v],
             &[&ws.q, &ws.k, &ws.v],
-            &ws.t,
+            &ws.lora,
             t_ready,
             keep,
         )?;
@@ -230,7 +261,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         let o_lora = layer.o.lora.as_ref().filter(|_| fuse).map(|a| OLora {
             a: &a.a,
             rank: a.rank,
-            t: &ws.t[0],
+            t: &ws.lora.t[0],
             head_sums: &ws.lora_sums,
             counters: &ws.lora_counters,
         });
@@ -246,9 +277,9 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         );
         // Past the fused kernels' rows, o's K-slices go to the next norm (as down's do).
         let o_parts = if m > crate::kernels::fused_lora::MAX_ROWS {
-            residual_product::<R, F>(client, &ws.attn, m, &layer.o, &ws.d, &ws.t, t_ready)?
+            residual_product::<R, F>(client, &ws.attn, m, &layer.o, &ws.d, &ws.lora, t_ready)?
         } else {
-            linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.t, t_ready)?;
+            linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.lora, t_ready)?;
             None
         };
         let t_ready = norm::<R, F>(
@@ -276,7 +307,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             m,
             &[&layer.gate, &layer.up],
             &[&ws.gate, &ws.up],
-            &ws.t,
+            &ws.lora,
             t_ready,
             keep,
         )?;
@@ -294,7 +325,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
                     s.intermediate,
                     &a.a,
                     a.rank,
-                    &ws.t[0],
+                    &ws.lora.t[0],
                     &ws.lora_sums,
                     &ws.lora_counters,
                 )
@@ -303,7 +334,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
             silu_mul::<R, F>(client, &ws.gate, &ws.up, &ws.act, m * s.intermediate);
         }
         down_parts =
-            residual_product::<R, F>(client, &ws.act, m, &layer.down, &ws.d, &ws.t, t_ready)?;
+            residual_product::<R, F>(client, &ws.act, m, &layer.down, &ws.d, &ws.lora, t_ready)?;
     }
     let n = p.logit_count;
     if n == 0 {
@@ -340,9 +371,9 @@ pub(crate) fn forward<R: Runtime, F: Float>(
 }
 
 /// The add + RMSNorm before `layers` (which read its output `ws.xn`), with their LoRA
-/// down-projections into `ws.t` in the same launch where [`norm_lora`] takes them (decode
+/// down-projections into `ws.lora.t` in the same launch where [`norm_lora`] takes them (decode
 /// batches; every layer with an adapter of one rank): then the sum goes to the spare residual
-/// buffer and the two swap. Returns whether `ws.t` is filled.
+/// buffer and the two swap. Returns whether `ws.lora.t` is filled.
 #[allow(clippy::too_many_arguments)]
 fn norm<'a, R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -370,7 +401,7 @@ fn norm<'a, R: Runtime, F: Float>(
             &ws.xn,
             &adapters.iter().map(|a| &a.a).collect::<Vec<_>>(),
             rank,
-            &ws.t.iter().take(adapters.len()).collect::<Vec<_>>(),
+            &ws.lora.t.iter().take(adapters.len()).collect::<Vec<_>>(),
         );
     if fused {
         if !matches!(d, Residual::None) {

@@ -30,23 +30,23 @@ pub(crate) fn residual_product<R: Runtime, F: Float>(
     m: usize,
     layer: &Linear,
     d: &Handle,
-    t: &[Handle; 3],
+    lora_t: &LoraOutputs,
     t_ready: bool,
 ) -> Result<Option<gemm::SplitParts>, EngineError> {
     if m > crate::kernels::fused_lora::MAX_ROWS {
         let keep = crate::kernels::residual_parts_enabled();
-        return linears_or_parts::<R, F>(client, x, m, &[layer], &[d], t, t_ready, keep);
+        return linears_or_parts::<R, F>(client, x, m, &[layer], &[d], lora_t, t_ready, keep);
     }
     let fuse = crate::kernels::fused_lora::enabled();
     let (Frozen::Quant(wq), true) = (&layer.weight, fuse) else {
-        linears::<R, F>(client, x, m, &[layer], &[d], t, t_ready)?;
+        linears::<R, F>(client, x, m, &[layer], &[d], lora_t, t_ready)?;
         return Ok(None);
     };
     if !t_ready {
-        lora_downs::<R, F>(client, x, m, &[layer], t)?;
+        lora_downs::<R, F>(client, x, m, &[layer], lora_t)?;
     }
     let lora = layer.lora.as_ref().map(|a| LoraEpilogue {
-        t: &t[0],
+        t: &lora_t.t[0],
         b: &a.b,
         rank: a.rank,
         scale: a.scale,
@@ -62,29 +62,43 @@ pub(crate) fn residual_product<R: Runtime, F: Float>(
     )?)
 }
 
+/// Where a layer's LoRA down-projections go: `t`, up to three `[rows, rank]` f32 outputs, and
+/// the scratch of the tensor-core kernel that adds its K-chunks across cubes (`sums`, and
+/// `counters`: a u32 a 16-row group, 0 between launches).
+#[derive(Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct LoraOutputs {
+    pub t: [Handle; 3],
+    pub sums: Handle,
+    pub counters: Handle,
+}
+
 /// The LoRA down-projections `t[i] = x · A_iᵀ` of `layers` (those with an adapter): one launch
-/// for up to three adapters of equal rank when few rows, else one each.
+/// for up to three adapters of equal rank when few rows (tensor cores, else plane operations,
+/// else the portable dense kernel), else one each.
 pub(crate) fn lora_downs<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
     m: usize,
     layers: &[&Linear],
-    t: &[Handle; 3],
+    lora_t: &LoraOutputs,
 ) -> Result<(), EngineError> {
     let k = layers[0].k;
+    let t = &lora_t.t;
     let adapters: Vec<_> = layers.iter().filter_map(|l| l.lora.as_ref()).collect();
     let same_rank = adapters.windows(2).all(|p| p[0].rank == p[1].rank);
     if adapters.len() == layers.len() && same_rank && m <= LORA_DENSE_MAX_ROWS {
         let a: Vec<&Handle> = adapters.iter().map(|a| &a.a).collect();
         let out: Vec<&Handle> = t.iter().take(a.len()).collect();
         let rank = adapters[0].rank;
-        // The plane kernel where it runs (CUDA), unless `QERL_LORA_DOWN=dense` (read once)
-        // keeps the portable dense kernel, for A/B timing.
+        // Unless `QERL_LORA_DOWN=dense` (read once) keeps the portable dense kernel, for A/B
+        // timing (`QERL_LORA_MMA=0` skips the tensor-core kernel).
         static DENSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let forced =
             *DENSE.get_or_init(|| std::env::var("QERL_LORA_DOWN").is_ok_and(|v| v == "dense"));
         let ran = !forced
-            && crate::kernels::lora_down::lora_down::<R, F>(client, x, m, &a, rank, k, &out);
+            && (lora_down_mma::<R, F>(client, x, m, &a, rank, k, &out, lora_t)
+                || crate::kernels::lora_down::lora_down::<R, F>(client, x, m, &a, rank, k, &out));
         if !ran {
             dense::<R, F, f32>(client, x, m, &a, rank, k, Default::default(), &out);
         }
@@ -98,6 +112,39 @@ pub(crate) fn lora_downs<R: Runtime, F: Float>(
     Ok(())
 }
 
+/// [`qerl_kernels::lora_down_mma`] where it runs (CUDA builds, bf16/f16 with `mma`).
+#[allow(clippy::too_many_arguments)]
+fn lora_down_mma<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    a: &[&Handle],
+    rank: usize,
+    k: usize,
+    out: &[&Handle],
+    lora_t: &LoraOutputs,
+) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        qerl_kernels::lora_down_mma::lora_down_mma::<R, F>(
+            client,
+            x,
+            m,
+            a,
+            rank,
+            k,
+            out,
+            &lora_t.sums,
+            &lora_t.counters,
+        )
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (client, x, m, a, rank, k, out, lora_t);
+        false
+    }
+}
+
 /// Linears that share the input `x [m, k]`: their LoRA down-projections ([`lora_downs`]; none
 /// when `t_ready`, the norm before having filled `t`), then each product with bias and LoRA in
 /// its epilogue.
@@ -107,10 +154,10 @@ pub(crate) fn linears<R: Runtime, F: Float>(
     m: usize,
     layers: &[&Linear],
     outputs: &[&Handle],
-    t: &[Handle; 3],
+    lora_t: &LoraOutputs,
     t_ready: bool,
 ) -> Result<(), EngineError> {
-    linears_or_parts::<R, F>(client, x, m, layers, outputs, t, t_ready, false).map(|_| ())
+    linears_or_parts::<R, F>(client, x, m, layers, outputs, lora_t, t_ready, false).map(|_| ())
 }
 
 /// [`linears`]; with `keep_parts`, where the products run as one split segment launch, their
@@ -123,13 +170,14 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
     m: usize,
     layers: &[&Linear],
     outputs: &[&Handle],
-    t: &[Handle; 3],
+    lora_t: &LoraOutputs,
     t_ready: bool,
     keep_parts: bool,
 ) -> Result<Option<gemm::SplitParts>, EngineError> {
     if !t_ready {
-        lora_downs::<R, F>(client, x, m, layers, t)?;
+        lora_downs::<R, F>(client, x, m, layers, lora_t)?;
     }
+    let t = &lora_t.t;
     // 4-bit weights sharing the input: one decode launch for all where the kernel takes them
     // (a single one too where it may keep its K-slices).
     let quant: Vec<gemm::SegmentProduct<'_>> = layers

@@ -368,10 +368,14 @@ fn cuda_attention_auto_dispatch() {
 // K = 18944 in bf16, 19 of 4 in f32), then a 5-level plane tree and 7 plane additions, so any
 // term goes through d < 100 roundings: |err| ≤ γ_d·Σ|x·a| ≈ d·2^-24·Σ|x·a| < 6e-6·Σ|x·a|.
 // The bound leaves a factor > 10, and a missed or doubled vector (8 terms of 1000) is ~1e-3.
+// The tensor-core kernel (`qerl_kernels::lora_down_mma`, same bound): exact products added by
+// `mma` into f32 along at most 2·STEPS (≤ 28 here) products a warp, then ≤ 8 warps and ≤ 16
+// cubes in order: fewer roundings than the plane kernel's chain.
 // Outputs are poisoned with NaN before each launch and carry 32 NaN guard values past m·r
 // that must stay NaN. Every case asserts that `lora_down` ran (returned true).
 
 use qerl_engine::kernels::lora_down::{lora_down, tile};
+use qerl_kernels::lora_down_mma;
 
 const LD_MS: [usize; 5] = [1, 3, 8, 64, 200];
 const LD_KS: [usize; 3] = [3584, 18944, 1000];
@@ -420,14 +424,24 @@ fn ld_case<F: Float>(g: &mut StdRng, k: usize) -> LdCase<F> {
     LdCase { k, x, a, t, mag }
 }
 
-/// Runs `lora_down` on the first `m` rows and `adapters` adapters of rank `rank`; asserts it
-/// ran, and returns each output (m·rank values) after checking that its guard stayed NaN.
+/// Which LoRA down-projection kernel a case runs: the engine's plane kernel
+/// (`kernels::lora_down`) or the tensor-core one (`qerl_kernels::lora_down_mma`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum LdKernel {
+    Plane,
+    Mma,
+}
+
+/// Runs `kernel` on the first `m` rows and `adapters` adapters of rank `rank`; asserts it
+/// ran, and returns each output (m·rank values) after checking that its guard stayed NaN (and,
+/// for the tensor-core kernel, that its counters are 0 again).
 fn ld_run<F: Float + CubeElement>(
     c: &ComputeClient<R>,
     case: &LdCase<F>,
     m: usize,
     adapters: usize,
     rank: usize,
+    kernel: LdKernel,
     what: &str,
 ) -> Vec<Vec<f32>> {
     let k = case.k;
@@ -439,10 +453,18 @@ fn ld_run<F: Float + CubeElement>(
         .map(|_| up(c, &vec![f32::NAN; m * rank + LD_GUARD]))
         .collect();
     let (ar, tr): (Vec<&Handle>, Vec<&Handle>) = (ah.iter().collect(), th.iter().collect());
-    assert!(
-        lora_down::<R, F>(c, &xh, m, &ar, rank, k, &tr),
-        "{what}: lora_down did not run (no plane operations on this device?)"
-    );
+    let counters = up_u32(c, &[0u32; 16]);
+    let ran = match kernel {
+        LdKernel::Plane => lora_down::<R, F>(c, &xh, m, &ar, rank, k, &tr),
+        LdKernel::Mma => {
+            let floats = lora_down_mma::scratch_floats::<R, F>(c, m, k);
+            let sums = up(c, &vec![f32::NAN; floats.max(1)]);
+            lora_down_mma::lora_down_mma::<R, F>(c, &xh, m, &ar, rank, k, &tr, &sums, &counters)
+        }
+    };
+    assert!(ran, "{what}: {kernel:?} did not run on this device");
+    let zeros = u32::from_bytes(&c.read_one(counters).unwrap()).to_vec();
+    assert!(zeros.iter().all(|&z| z == 0), "{what}: counters left {zeros:?}");
     th.iter()
         .map(|h| {
             let mut v = f32::from_bytes(&c.read_one(h.clone()).unwrap()).to_vec();
@@ -453,8 +475,9 @@ fn ld_run<F: Float + CubeElement>(
         .collect()
 }
 
-/// Every (m, K, adapters, rank) of the sweep against the reference, in F.
-fn ld_check<F: Float + CubeElement>() {
+/// Every (m, K, adapters, rank) of the sweep against the reference, in F (the tensor-core
+/// kernel: where it applies, K a multiple of 32; it must not claim the others).
+fn ld_check<F: Float + CubeElement>(kernel: LdKernel) {
     let c = client();
     let (mut g, seed) = rng();
     let name = std::any::type_name::<F>();
@@ -463,10 +486,15 @@ fn ld_check<F: Float + CubeElement>() {
         for m in LD_MS {
             for adapters in 1..=3 {
                 for rank in [16, 8] {
+                    if kernel == LdKernel::Mma && k % 32 != 0 {
+                        assert!(!lora_down_mma::applies::<R, F>(&c, m, adapters, rank, k));
+                        continue;
+                    }
                     let tl = tile::<R, F>(&c, m, adapters, rank, k);
-                    let what =
-                        format!("{name} m {m} K {k} adapters {adapters} rank {rank} tile {tl:?}");
-                    let got = ld_run(&c, &case, m, adapters, rank, &what);
+                    let what = format!(
+                        "{kernel:?} {name} m {m} K {k} adapters {adapters} rank {rank} tile {tl:?}"
+                    );
+                    let got = ld_run(&c, &case, m, adapters, rank, kernel, &what);
                     for (s, out) in got.iter().enumerate() {
                         for row in 0..m {
                             for j in 0..rank {
@@ -488,35 +516,45 @@ fn ld_check<F: Float + CubeElement>() {
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
 fn cuda_lora_down_bf16() {
-    ld_check::<half::bf16>();
+    ld_check::<half::bf16>(LdKernel::Plane);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_lora_down_mma_bf16() {
+    ld_check::<half::bf16>(LdKernel::Mma);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_lora_down_mma_f16() {
+    ld_check::<half::f16>(LdKernel::Mma);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
 fn cuda_lora_down_f32() {
-    ld_check::<f32>();
+    ld_check::<f32>(LdKernel::Plane);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
 fn cuda_lora_down_f16() {
-    ld_check::<half::f16>();
+    ld_check::<half::f16>(LdKernel::Plane);
 }
 
 /// Batch invariance in bf16: each of the first 64 rows computed alone, and the first 3 and 8
-/// rows as batches, equal those rows of the 64- and 200-row batches bit for bit (the tiles
-/// differ between these sizes).
-#[test]
-#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
-fn cuda_lora_down_batch_invariant() {
+/// rows as batches, equal those rows of the 64- and 200-row batches bit for bit (the plane
+/// kernel's tiles differ between these sizes; the tensor-core kernel's row groups do).
+fn ld_batch_invariant(kernel: LdKernel) {
     type F = half::bf16;
     let c = client();
     let (mut g, seed) = rng();
-    for k in LD_KS {
+    for k in LD_KS.into_iter().filter(|k| kernel == LdKernel::Plane || k % 32 == 0) {
         let case = ld_case::<F>(&mut g, k);
         for (adapters, rank) in [(3, 16), (1, 16), (2, 8)] {
             let what = |m: usize| format!("K {k} adapters {adapters} rank {rank} m {m}");
-            if std::env::var("QERL_LORA_DOWN_TILE").is_err() {
+            if kernel == LdKernel::Plane && std::env::var("QERL_LORA_DOWN_TILE").is_err() {
                 assert_ne!(
                     tile::<R, F>(&c, 1, adapters, rank, k),
                     tile::<R, F>(&c, 64, adapters, rank, k),
@@ -524,11 +562,11 @@ fn cuda_lora_down_batch_invariant() {
                     what(64)
                 );
             }
-            let full = ld_run(&c, &case, 200, adapters, rank, &what(200));
+            let full = ld_run(&c, &case, 200, adapters, rank, kernel, &what(200));
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-            let mut parts = vec![(0, ld_run(&c, &case, 64, adapters, rank, &what(64)))];
+            let mut parts = vec![(0, ld_run(&c, &case, 64, adapters, rank, kernel, &what(64)))];
             for m in [3, 8] {
-                parts.push((0, ld_run(&c, &case, m, adapters, rank, &what(m))));
+                parts.push((0, ld_run(&c, &case, m, adapters, rank, kernel, &what(m))));
             }
             for row in 0..64 {
                 let one = LdCase {
@@ -538,7 +576,7 @@ fn cuda_lora_down_batch_invariant() {
                     t: Default::default(),
                     mag: Default::default(),
                 };
-                parts.push((row, ld_run(&c, &one, 1, adapters, rank, &what(1))));
+                parts.push((row, ld_run(&c, &one, 1, adapters, rank, kernel, &what(1))));
             }
             for (first, part) in &parts {
                 for (s, out) in part.iter().enumerate() {
@@ -555,6 +593,18 @@ fn cuda_lora_down_batch_invariant() {
             }
         }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_lora_down_batch_invariant() {
+    ld_batch_invariant(LdKernel::Plane);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_lora_down_mma_batch_invariant() {
+    ld_batch_invariant(LdKernel::Mma);
 }
 
 /// The LoRA down-projections fused into the norm (`kernels::fused_lora`) in bf16 at Qwen2.5-7B

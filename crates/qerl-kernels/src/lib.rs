@@ -18,6 +18,9 @@
 //! * [`silu_mul`]: the SwiGLU gate `h = silu(g) ⊙ u`, forward and backward, one element-wise
 //!   kernel each.
 //!
+//! * `lora_down_mma` (CUDA builds): a decode batch's LoRA down-projections `T = X·Aᵀ` on
+//!   tensor cores, K cut over many cubes.
+//!
 //! Kernels cubecl cannot express (`wgmma`, register-level bit tricks) are hand-written CUDA,
 //! compiled and launched on cubecl's own stream through the CUDA-only `cuda_source` module.
 //!
@@ -44,6 +47,8 @@ mod gemm_tc;
 mod gemv;
 #[cfg(feature = "cuda")]
 mod gemv_mma;
+#[cfg(feature = "cuda")]
+pub mod lora_down_mma;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;
