@@ -10,10 +10,12 @@
 // K is cut into 32-deep steps; warp w of cube c takes steps (c * WARPS + w) * STEPS ..
 // + STEPS (the last cube's may run short). A warp adds its steps' products into its
 // accumulators in step order; the cube adds its warps' sums in warp order; where a row group
-// has more than one cube (CUBES > 1), each stores its sums and the group's last cube to finish
-// (an atomic count, reset to 0 by that cube for the next launch) adds them in cube order. The
-// cut depends on K alone, so every output is the same chain of additions whatever M: a row's T
-// is bit-identical alone or in any batch.
+// has more than one cube (CUBES > 1) the cubes' sums are added in cube order: with CLUSTER
+// (sm_90), the group's cubes are one thread-block cluster and each adds a share of the outputs
+// from all the cubes' shared memory; else each cube stores its sums and the group's last cube
+// to finish (an atomic count, reset to 0 by that cube for the next launch) adds them. The cut
+// depends on K alone, so every output is the same chain of additions whatever M: a row's T is
+// bit-identical alone or in any batch.
 //
 // Lane (g, t) (g = lane / 4, t = lane % 4) loads the 16 bytes at k = 8t .. 8t + 8 of a step
 // from X's rows g and g + 8 and from the adapter rows 8j + g: the first two pairs of each go
@@ -22,7 +24,7 @@
 // sum over k; rows past M read row M - 1 and are not stored.
 //
 // The host prepends: WARPS, SEGMENTS, RANK, NT (SEGMENTS * RANK / 8), STEPS, CUBES, DEPTH
-// (steps whose loads are in flight at once), IS_F16.
+// (steps whose loads are in flight at once), IS_F16, CLUSTER.
 
 typedef unsigned int u32;
 struct __align__(16) u32x4 { u32 x, y, z, w; };
@@ -67,6 +69,39 @@ __device__ __forceinline__ f32x4 load_l2(const f32x4* p) {
     return v;
 }
 
+__device__ __forceinline__ void add4(f32x4& v, const f32x4& u) {
+    v.x += u.x;
+    v.y += u.y;
+    v.z += u.z;
+    v.w += u.w;
+}
+
+#if CLUSTER
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes at shared address `addr` of the cluster's cube `rank`.
+__device__ __forceinline__ f32x4 load_cluster(u32 addr, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    f32x4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote)
+                 : "memory");
+    return v;
+}
+
+// Every unit of the cluster's cubes: what each stored to shared memory before is visible to all.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+#endif
+
 // Four consecutive sums (element e of the cube's tile, a multiple of 4) into T of their
 // adapter, for rows below M.
 __device__ __forceinline__ void store_t(float* t0, float* t1, float* t2, int row0, int m, int e,
@@ -78,12 +113,18 @@ __device__ __forceinline__ void store_t(float* t0, float* t1, float* t2, int row
     *(f32x4*)(t + row * RANK + col % RANK) = v;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) qerl_lora_down_mma(
+#if CLUSTER && CUBES > 1
+#define CLUSTER_DIMS __cluster_dims__(CUBES, 1, 1)
+#else
+#define CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS) CLUSTER_DIMS qerl_lora_down_mma(
     const u32x4* __restrict__ x, const u32x4* __restrict__ a0, const u32x4* __restrict__ a1,
     const u32x4* __restrict__ a2, float* t0, float* t1, float* t2, float* sums, u32* counters,
     const Info info) {
     __shared__ __align__(16) float red[WARPS * TILE];
-#if CUBES > 1
+#if CUBES > 1 && !CLUSTER
     __shared__ u32 last;
 #endif
 
@@ -147,26 +188,36 @@ extern "C" __global__ void __launch_bounds__(THREADS) qerl_lora_down_mma(
     }
     __syncthreads();
 
-#if CUBES > 1
-    f32x4* part = (f32x4*)(sums + (size_t)(group * CUBES + cube) * TILE);
-#endif
+    // The cube's sums, warps in order (into warp 0's place: each unit reads and writes its own).
     for (int e = 4 * tid; e < TILE; e += 4 * THREADS) {
         f32x4 v = *(const f32x4*)(red + e);
 #pragma unroll
-        for (int w2 = 1; w2 < WARPS; ++w2) {
-            const f32x4 u = *(const f32x4*)(red + w2 * TILE + e);
-            v.x += u.x;
-            v.y += u.y;
-            v.z += u.z;
-            v.w += u.w;
-        }
+        for (int w2 = 1; w2 < WARPS; ++w2) add4(v, *(const f32x4*)(red + w2 * TILE + e));
 #if CUBES == 1
         store_t(t0, t1, t2, row0, m, e, v);
+#elif CLUSTER
+        *(f32x4*)(red + e) = v;
 #else
-        part[e / 4] = v;
+        ((f32x4*)(sums + (size_t)(group * CUBES + cube) * TILE))[e / 4] = v;
 #endif
     }
-#if CUBES > 1
+#if CUBES > 1 && CLUSTER
+    // Cube `cube` of the cluster adds the vectors q = cube, cube + CUBES, ... of the tile over
+    // all the cubes, in cube order (all loads in flight first).
+    cluster_sync();
+    const u32 base = smem_addr(red);
+    for (int q = tid * CUBES + cube; q < TILE / 4; q += THREADS * CUBES) {
+        f32x4 p[CUBES];
+#pragma unroll
+        for (int c = 0; c < CUBES; ++c) p[c] = load_cluster(base + 16 * q, c);
+        f32x4 v = p[0];
+#pragma unroll
+        for (int c = 1; c < CUBES; ++c) add4(v, p[c]);
+        store_t(t0, t1, t2, row0, m, 4 * q, v);
+    }
+    // No cube leaves while another may still read its shared memory.
+    cluster_sync();
+#elif CUBES > 1
     // The stores above must be visible to the last cube before this one is counted.
     __threadfence();
     __syncthreads();
@@ -180,15 +231,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) qerl_lora_down_mma(
     __threadfence();
     const f32x4* parts = (const f32x4*)(sums + (size_t)group * CUBES * TILE);
     for (int e = 4 * tid; e < TILE; e += 4 * THREADS) {
-        f32x4 v = load_l2(parts + e / 4);
-#pragma unroll 4
-        for (int c = 1; c < CUBES; ++c) {
-            const f32x4 u = load_l2(parts + c * (TILE / 4) + e / 4);
-            v.x += u.x;
-            v.y += u.y;
-            v.z += u.z;
-            v.w += u.w;
-        }
+        f32x4 p[CUBES];
+#pragma unroll
+        for (int c = 0; c < CUBES; ++c) p[c] = load_l2(parts + c * (TILE / 4) + e / 4);
+        f32x4 v = p[0];
+#pragma unroll
+        for (int c = 1; c < CUBES; ++c) add4(v, p[c]);
         store_t(t0, t1, t2, row0, m, e, v);
     }
 #endif

@@ -31,24 +31,34 @@ pub const MAX_M: usize = 256;
 pub const MAX_COLS: usize = 96;
 /// Reduction depth of one step (two `m16n8k16` products).
 const STEP: usize = 32;
-/// 16-byte loads a lane aims to have in flight (X's two rows and the adapter rows, a step).
-const LOADS: usize = 16;
+
+/// Most cubes of a thread-block cluster every sm_90 device takes.
+const MAX_CLUSTER: usize = 8;
+/// Bytes of static shared memory a cube may take (the warps' sums).
+const SHARED_BYTES: usize = 48 * 1024;
 
 /// Tuning knobs, read once from the environment (experiments): `QERL_LORA_MMA=0` turns the
-/// kernel off, `QERL_LORA_MMA_WARPS` (1, 2, 4, 8) sets the warps of a cube and
-/// `QERL_LORA_MMA_CUBES` (1 to 64) the cubes a row group aims at.
+/// kernel off, `QERL_LORA_MMA_WARPS` (1 to 16, a power of two) sets the warps of a cube,
+/// `QERL_LORA_MMA_CUBES` (1 to 64; at most 8 in a cluster) the cubes a row group aims at,
+/// `QERL_LORA_MMA_CLUSTER=0` adds the cubes' sums through global memory and an atomic count
+/// even where clusters exist, and `QERL_LORA_MMA_LOADS` (4 to 32) the 16-byte loads a lane
+/// has in flight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Knobs {
     enabled: bool,
     warps: usize,
     target: usize,
+    cluster: bool,
+    loads: usize,
 }
 
 impl Knobs {
     const DEFAULT: Knobs = Knobs {
         enabled: true,
-        warps: 4,
-        target: 16,
+        warps: 8,
+        target: 8,
+        cluster: true,
+        loads: 16,
     };
 
     fn get() -> Knobs {
@@ -66,8 +76,16 @@ impl Knobs {
                 enabled: std::env::var("QERL_LORA_MMA")
                     .ok()
                     .is_none_or(|v| v != "0" && v != "off"),
-                warps: num("QERL_LORA_MMA_WARPS", &|v| [1, 2, 4, 8].contains(&v), d.warps),
+                warps: num(
+                    "QERL_LORA_MMA_WARPS",
+                    &|v| v.is_power_of_two() && v <= 16,
+                    d.warps,
+                ),
                 target: num("QERL_LORA_MMA_CUBES", &|v| (1..=64).contains(&v), d.target),
+                cluster: std::env::var("QERL_LORA_MMA_CLUSTER")
+                    .ok()
+                    .is_none_or(|v| v != "0" && v != "off"),
+                loads: num("QERL_LORA_MMA_LOADS", &|v| (4..=32).contains(&v), d.loads),
             }
         })
     }
@@ -86,12 +104,22 @@ struct Plan {
     /// Steps whose loads a lane has in flight.
     depth: usize,
     f16: bool,
+    /// A row group's cubes are one cluster (sm_90) and add their sums in shared memory.
+    cluster: bool,
 }
 
 impl Plan {
     /// The cut of `k` for `segments` adapters of rank `rank` (independent of the rows), or
-    /// `None` where the kernel does not take the shape.
-    fn new(segments: usize, rank: usize, k: usize, f16: bool, knobs: Knobs) -> Option<Plan> {
+    /// `None` where the kernel does not take the shape. `cluster`: the device has clusters
+    /// (and the knob allows them): at most [`MAX_CLUSTER`] cubes a group.
+    fn new(
+        segments: usize,
+        rank: usize,
+        k: usize,
+        f16: bool,
+        cluster: bool,
+        knobs: Knobs,
+    ) -> Option<Plan> {
         let ok = (1..=3).contains(&segments)
             && rank > 0
             && rank.is_multiple_of(8)
@@ -102,18 +130,28 @@ impl Plan {
             return None;
         }
         let k_steps = k / STEP;
-        let steps = k_steps.div_ceil(knobs.warps * knobs.target);
-        let cubes = k_steps.div_ceil(knobs.warps * steps);
         let tiles = segments * rank / 8;
-        let depth = (LOADS / (2 + tiles)).clamp(1, 4).min(steps);
+        // The warps' sums (16 rows by 8·tiles f32 each) fit the shared memory.
+        let mut warps = knobs.warps;
+        while warps > 1 && warps * 16 * 8 * tiles * 4 > SHARED_BYTES {
+            warps /= 2;
+        }
+        let target = match cluster {
+            true => knobs.target.min(MAX_CLUSTER),
+            false => knobs.target,
+        };
+        let steps = k_steps.div_ceil(warps * target);
+        let cubes = k_steps.div_ceil(warps * steps);
+        let depth = (knobs.loads / (2 + tiles)).clamp(1, 8).min(steps);
         Some(Plan {
-            warps: knobs.warps,
+            warps,
             segments,
             rank,
             steps,
             cubes,
             depth: 1 << depth.ilog2(),
             f16,
+            cluster: cluster && cubes > 1,
         })
     }
 
@@ -127,6 +165,7 @@ impl Plan {
             ("CUBES", self.cubes),
             ("DEPTH", self.depth),
             ("IS_F16", self.f16 as usize),
+            ("CLUSTER", self.cluster as usize),
         ]);
         text.push_str(SOURCE);
         text
@@ -134,9 +173,9 @@ impl Plan {
 
     /// f32 values of the cubes' sums at `m` rows (none when a group has one cube).
     fn scratch_floats(&self, m: usize) -> usize {
-        match self.cubes {
-            1 => 0,
-            c => m.div_ceil(16) * c * 16 * self.segments * self.rank,
+        match (self.cubes, self.cluster) {
+            (1, _) | (_, true) => 0,
+            (c, false) => m.div_ceil(16) * c * 16 * self.segments * self.rank,
         }
     }
 }
@@ -177,7 +216,14 @@ fn plan<R: Runtime, F: Float>(
         && (1..=MAX_M).contains(&m)
         && crate::cublas::cuda_client(client).is_some()
         && crate::device::has_f32_mma::<R, F>(client, (16, 8, 16), false);
-    here.then(|| Plan::new(adapters, rank, k, f16, knobs))
+    // Clusters came with sm_90, as did TMA (which cubecl reports).
+    let cluster = knobs.cluster
+        && client
+            .properties()
+            .features
+            .tma
+            .contains(cubecl::features::Tma::Base);
+    here.then(|| Plan::new(adapters, rank, k, f16, cluster, knobs))
         .flatten()
 }
 
@@ -196,10 +242,12 @@ pub fn applies<R: Runtime, F: Float>(
 /// `k`, whatever the adapters (the most columns it takes, [`MAX_COLS`]); 0 where it does not
 /// run here. Callers size one buffer with the largest over their depths.
 pub fn scratch_floats<R: Runtime, F: Float>(client: &ComputeClient<R>, m: usize, k: usize) -> usize {
-    plan::<R, F>(client, m, 1, 8, k).map_or(0, |p| {
-        let widest = Plan { segments: 1, rank: MAX_COLS, ..p };
-        widest.scratch_floats(m)
-    })
+    (8..=MAX_COLS)
+        .step_by(8)
+        .filter_map(|cols| plan::<R, F>(client, m, 1, cols, k))
+        .map(|p| p.scratch_floats(m))
+        .max()
+        .unwrap_or(0)
 }
 
 /// `t_s [m, rank] = x [m, k] · a_sᵀ` in f32 for each adapter `a_s [rank, k]` in `F` (one to
@@ -282,27 +330,33 @@ mod tests {
     /// the scratch of 64 rows of q/k/v under 1 MB.
     #[test]
     fn plans_cover_k() {
-        for k in [896, 3584, 5120, 18944, 27648, 4864] {
-            for (segments, rank) in [(3, 16), (2, 16), (1, 16), (3, 32), (1, 64), (1, 8)] {
-                let p = Plan::new(segments, rank, k, false, Knobs::DEFAULT).unwrap();
-                let per_cube = p.warps * p.steps;
-                assert!(p.cubes * per_cube >= k / STEP, "{k} {p:?}");
-                assert!((p.cubes - 1) * per_cube < k / STEP, "{k} {p:?}: an idle cube");
-                assert!(p.depth.is_power_of_two() && p.depth <= p.steps.max(1));
-                assert!(p.scratch_floats(64) * 4 <= 1 << 20, "{k} {p:?}");
+        for cluster in [true, false] {
+            for k in [896, 3584, 5120, 18944, 27648, 4864] {
+                for (segments, rank) in [(3, 16), (2, 16), (1, 16), (3, 32), (1, 64), (1, 8)] {
+                    let p = Plan::new(segments, rank, k, false, cluster, Knobs::DEFAULT).unwrap();
+                    let per_cube = p.warps * p.steps;
+                    assert!(p.cubes * per_cube >= k / STEP, "{k} {p:?}");
+                    assert!((p.cubes - 1) * per_cube < k / STEP, "{k} {p:?}: an idle cube");
+                    assert!(p.depth.is_power_of_two() && p.depth <= p.steps.max(1));
+                    assert!(p.scratch_floats(64) * 4 <= 1 << 20, "{k} {p:?}");
+                    assert!(p.warps * 16 * segments * rank * 4 <= SHARED_BYTES);
+                    assert!(!p.cluster || p.cubes <= MAX_CLUSTER, "{k} {p:?}");
+                }
             }
         }
-        assert!(Plan::new(3, 48, 3584, false, Knobs::DEFAULT).is_none());
-        assert!(Plan::new(1, 12, 3584, false, Knobs::DEFAULT).is_none());
-        assert!(Plan::new(1, 16, 1000, false, Knobs::DEFAULT).is_none());
+        let d = Knobs::DEFAULT;
+        assert!(Plan::new(3, 48, 3584, false, true, d).is_none());
+        assert!(Plan::new(1, 12, 3584, false, true, d).is_none());
+        assert!(Plan::new(1, 16, 1000, false, true, d).is_none());
     }
 
     /// The text names every define it uses.
     #[test]
     fn source_defines_the_configuration() {
-        let p = Plan::new(3, 16, 3584, false, Knobs::DEFAULT).unwrap();
+        let p = Plan::new(3, 16, 3584, false, true, Knobs::DEFAULT).unwrap();
         let text = p.source();
-        for name in ["WARPS", "SEGMENTS", "RANK", "NT", "STEPS", "CUBES", "DEPTH", "IS_F16"] {
+        let names = ["WARPS", "SEGMENTS", "RANK", "NT", "STEPS", "CUBES", "DEPTH", "IS_F16"];
+        for name in names.into_iter().chain(["CLUSTER"]) {
             assert!(text.contains(&format!("#define {name} ")), "{name}");
         }
         assert!(text.contains("#define NT 6\n") && text.contains(ENTRY));
