@@ -369,7 +369,7 @@ fn cuda_attention_auto_dispatch() {
 // term goes through d < 100 roundings: |err| ≤ γ_d·Σ|x·a| ≈ d·2^-24·Σ|x·a| < 6e-6·Σ|x·a|.
 // The bound leaves a factor > 10, and a missed or doubled vector (8 terms of 1000) is ~1e-3.
 // The tensor-core kernel (`qerl_kernels::lora_down_mma`, same bound): exact products added by
-// `mma` into f32 along at most 2·STEPS (≤ 28 here) products a warp, then ≤ 8 warps and ≤ 16
+// `mma` into f32 along at most 2·STEPS (≤ 40 here) products a warp, then ≤ 16 warps and ≤ 64
 // cubes in order: fewer roundings than the plane kernel's chain.
 // Outputs are poisoned with NaN before each launch and carry 32 NaN guard values past m·r
 // that must stay NaN. Every case asserts that `lora_down` ran (returned true).

@@ -10,10 +10,11 @@
 // K is cut into 32-deep steps; warp w of cube c takes steps (c * WARPS + w) * STEPS ..
 // + STEPS (the last cube's may run short). A warp adds its steps' products into its
 // accumulators in step order; the cube adds its warps' sums in warp order; where a row group
-// has more than one cube (CUBES > 1) the cubes' sums are added in cube order: with CLUSTER
-// (sm_90), the group's cubes are one thread-block cluster and each adds a share of the outputs
-// from all the cubes' shared memory; else each cube stores its sums and the group's last cube
-// to finish (an atomic count, reset to 0 by that cube for the next launch) adds them. The cut
+// has more than one cube (CUBES > 1) the cubes' sums are added in cube order: on sm_90 its
+// cubes form clusters of CL, and each cube adds a share of the outputs from all the cluster's
+// shared memory; where that leaves more than one sum (PARTS clusters, or CUBES cubes without
+// clusters), each is stored and the group's last cube to finish (an atomic count, reset to 0
+// by that cube for the next launch) adds them in order. The cut
 // depends on K alone, so every output is the same chain of additions whatever M: a row's T is
 // bit-identical alone or in any batch.
 //
@@ -24,7 +25,8 @@
 // sum over k; rows past M read row M - 1 and are not stored.
 //
 // The host prepends: WARPS, SEGMENTS, RANK, NT (SEGMENTS * RANK / 8), STEPS, CUBES, DEPTH
-// (steps whose loads are in flight at once), IS_F16, CLUSTER.
+// (steps whose loads are in flight at once), IS_F16, CL (cubes a cluster, dividing CUBES; 1: no
+// clusters).
 
 typedef unsigned int u32;
 struct __align__(16) u32x4 { u32 x, y, z, w; };
@@ -76,7 +78,7 @@ __device__ __forceinline__ void add4(f32x4& v, const f32x4& u) {
     v.w += u.w;
 }
 
-#if CLUSTER
+#if CL > 1
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -113,8 +115,10 @@ __device__ __forceinline__ void store_t(float* t0, float* t1, float* t2, int row
     *(f32x4*)(t + row * RANK + col % RANK) = v;
 }
 
-#if CLUSTER && CUBES > 1
-#define CLUSTER_DIMS __cluster_dims__(CUBES, 1, 1)
+// Sums a row group stores for its last cube: one a cluster, or one a cube without clusters.
+#define PARTS (CUBES / CL)
+#if CL > 1
+#define CLUSTER_DIMS __cluster_dims__(CL, 1, 1)
 #else
 #define CLUSTER_DIMS
 #endif
@@ -124,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) CLUSTER_DIMS qerl_lora_dow
     const u32x4* __restrict__ a2, float* t0, float* t1, float* t2, float* sums, u32* counters,
     const Info info) {
     __shared__ __align__(16) float red[WARPS * TILE];
-#if CUBES > 1 && !CLUSTER
+#if CUBES > 1 && CL < CUBES
     __shared__ u32 last;
 #endif
 
@@ -195,30 +199,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) CLUSTER_DIMS qerl_lora_dow
         for (int w2 = 1; w2 < WARPS; ++w2) add4(v, *(const f32x4*)(red + w2 * TILE + e));
 #if CUBES == 1
         store_t(t0, t1, t2, row0, m, e, v);
-#elif CLUSTER
+#elif CL > 1
         *(f32x4*)(red + e) = v;
 #else
         ((f32x4*)(sums + (size_t)(group * CUBES + cube) * TILE))[e / 4] = v;
 #endif
     }
-#if CUBES > 1 && CLUSTER
-    // Cube `cube` of the cluster adds the vectors q = cube, cube + CUBES, ... of the tile over
-    // all the cubes, in cube order (all loads in flight first).
+#if CUBES > 1 && CL > 1
+    // Cube r of each cluster adds the vectors q = r, r + CL, ... of the tile over the cluster's
+    // cubes in order (all loads in flight first): the group's sums where it is one cluster,
+    // else the cluster's, stored for the global step.
     cluster_sync();
+    const int rank = cube % CL;
     const u32 base = smem_addr(red);
-    for (int q = tid * CUBES + cube; q < TILE / 4; q += THREADS * CUBES) {
-        f32x4 p[CUBES];
+    for (int q = tid * CL + rank; q < TILE / 4; q += THREADS * CL) {
+        f32x4 p[CL];
 #pragma unroll
-        for (int c = 0; c < CUBES; ++c) p[c] = load_cluster(base + 16 * q, c);
+        for (int c = 0; c < CL; ++c) p[c] = load_cluster(base + 16 * q, c);
         f32x4 v = p[0];
 #pragma unroll
-        for (int c = 1; c < CUBES; ++c) add4(v, p[c]);
+        for (int c = 1; c < CL; ++c) add4(v, p[c]);
+#if CL == CUBES
         store_t(t0, t1, t2, row0, m, 4 * q, v);
+#else
+        ((f32x4*)(sums + (size_t)(group * PARTS + cube / CL) * TILE))[q] = v;
+#endif
     }
     // No cube leaves while another may still read its shared memory.
     cluster_sync();
-#elif CUBES > 1
-    // The stores above must be visible to the last cube before this one is counted.
+#endif
+#if CUBES > 1 && CL < CUBES
+    // The stores above must be visible to the last cube before this one is counted; the
+    // group's last cube adds the PARTS stored sums in order.
     __threadfence();
     __syncthreads();
     if (tid == 0) {
@@ -229,14 +241,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) CLUSTER_DIMS qerl_lora_dow
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const f32x4* parts = (const f32x4*)(sums + (size_t)group * CUBES * TILE);
+    const f32x4* parts = (const f32x4*)(sums + (size_t)group * PARTS * TILE);
     for (int e = 4 * tid; e < TILE; e += 4 * THREADS) {
-        f32x4 p[CUBES];
+        f32x4 p[PARTS];
 #pragma unroll
-        for (int c = 0; c < CUBES; ++c) p[c] = load_l2(parts + c * (TILE / 4) + e / 4);
+        for (int c = 0; c < PARTS; ++c) p[c] = load_l2(parts + c * (TILE / 4) + e / 4);
         f32x4 v = p[0];
 #pragma unroll
-        for (int c = 1; c < CUBES; ++c) add4(v, p[c]);
+        for (int c = 1; c < PARTS; ++c) add4(v, p[c]);
         store_t(t0, t1, t2, row0, m, e, v);
     }
 #endif

@@ -39,9 +39,9 @@ const SHARED_BYTES: usize = 48 * 1024;
 
 /// Tuning knobs, read once from the environment (experiments): `QERL_LORA_MMA=0` turns the
 /// kernel off, `QERL_LORA_MMA_WARPS` (1 to 16, a power of two) sets the warps of a cube,
-/// `QERL_LORA_MMA_CUBES` (1 to 64; at most 8 in a cluster) the cubes a row group aims at,
-/// `QERL_LORA_MMA_CLUSTER=0` adds the cubes' sums through global memory and an atomic count
-/// even where clusters exist, and `QERL_LORA_MMA_LOADS` (4 to 32) the 16-byte loads a lane
+/// `QERL_LORA_MMA_CUBES` (1 to 64) the cubes a row group aims at, `QERL_LORA_MMA_CLUSTER=0`
+/// adds the cubes' sums through global memory and an atomic count alone even where clusters
+/// exist, and `QERL_LORA_MMA_LOADS` (4 to 32) the 16-byte loads a lane
 /// has in flight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Knobs {
@@ -55,8 +55,8 @@ struct Knobs {
 impl Knobs {
     const DEFAULT: Knobs = Knobs {
         enabled: true,
-        warps: 8,
-        target: 8,
+        warps: 4,
+        target: 32,
         cluster: true,
         loads: 16,
     };
@@ -104,8 +104,9 @@ struct Plan {
     /// Steps whose loads a lane has in flight.
     depth: usize,
     f16: bool,
-    /// A row group's cubes are one cluster (sm_90) and add their sums in shared memory.
-    cluster: bool,
+    /// Cubes a thread-block cluster (sm_90; dividing `cubes`), which add their sums in shared
+    /// memory; 1 without clusters.
+    cl: usize,
 }
 
 impl Plan {
@@ -136,12 +137,14 @@ impl Plan {
         while warps > 1 && warps * 16 * 8 * tiles * 4 > SHARED_BYTES {
             warps /= 2;
         }
-        let target = match cluster {
-            true => knobs.target.min(MAX_CLUSTER),
-            false => knobs.target,
-        };
-        let steps = k_steps.div_ceil(warps * target);
-        let cubes = k_steps.div_ceil(warps * steps);
+        let steps = k_steps.div_ceil(warps * knobs.target);
+        let mut cubes = k_steps.div_ceil(warps * steps);
+        // Clusters as even as they come: 14 cubes are two of 7, 30 four of 8 (two idle cubes).
+        let mut cl = 1;
+        if cluster && cubes > 1 {
+            cl = cubes.div_ceil(cubes.div_ceil(MAX_CLUSTER));
+            cubes = cubes.div_ceil(cl) * cl;
+        }
         let depth = (knobs.loads / (2 + tiles)).clamp(1, 8).min(steps);
         Some(Plan {
             warps,
@@ -151,7 +154,7 @@ impl Plan {
             cubes,
             depth: 1 << depth.ilog2(),
             f16,
-            cluster: cluster && cubes > 1,
+            cl,
         })
     }
 
@@ -165,17 +168,18 @@ impl Plan {
             ("CUBES", self.cubes),
             ("DEPTH", self.depth),
             ("IS_F16", self.f16 as usize),
-            ("CLUSTER", self.cluster as usize),
+            ("CL", self.cl),
         ]);
         text.push_str(SOURCE);
         text
     }
 
-    /// f32 values of the cubes' sums at `m` rows (none when a group has one cube).
+    /// f32 values of the sums a row group stores (one a cluster, or one a cube without
+    /// clusters; none when it is one cluster or one cube) at `m` rows.
     fn scratch_floats(&self, m: usize) -> usize {
-        match (self.cubes, self.cluster) {
-            (1, _) | (_, true) => 0,
-            (c, false) => m.div_ceil(16) * c * 16 * self.segments * self.rank,
+        match self.cubes / self.cl {
+            1 => 0,
+            parts => m.div_ceil(16) * parts * 16 * self.segments * self.rank,
         }
     }
 }
@@ -336,11 +340,13 @@ mod tests {
                     let p = Plan::new(segments, rank, k, false, cluster, Knobs::DEFAULT).unwrap();
                     let per_cube = p.warps * p.steps;
                     assert!(p.cubes * per_cube >= k / STEP, "{k} {p:?}");
-                    assert!((p.cubes - 1) * per_cube < k / STEP, "{k} {p:?}: an idle cube");
                     assert!(p.depth.is_power_of_two() && p.depth <= p.steps.max(1));
                     assert!(p.scratch_floats(64) * 4 <= 1 << 20, "{k} {p:?}");
                     assert!(p.warps * 16 * segments * rank * 4 <= SHARED_BYTES);
-                    assert!(!p.cluster || p.cubes <= MAX_CLUSTER, "{k} {p:?}");
+                    assert!(p.cl <= MAX_CLUSTER && p.cubes % p.cl == 0, "{k} {p:?}");
+                    assert!(cluster || p.cl == 1);
+                    let idle = p.cubes - (k / STEP).div_ceil(per_cube);
+                    assert!(idle < p.cl, "{k} {p:?}: {idle} idle cubes");
                 }
             }
         }
@@ -356,7 +362,7 @@ mod tests {
         let p = Plan::new(3, 16, 3584, false, true, Knobs::DEFAULT).unwrap();
         let text = p.source();
         let names = ["WARPS", "SEGMENTS", "RANK", "NT", "STEPS", "CUBES", "DEPTH", "IS_F16"];
-        for name in names.into_iter().chain(["CLUSTER"]) {
+        for name in names.into_iter().chain(["CL"]) {
             assert!(text.contains(&format!("#define {name} ")), "{name}");
         }
         assert!(text.contains("#define NT 6\n") && text.contains(ENTRY));
