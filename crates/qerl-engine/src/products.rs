@@ -18,6 +18,22 @@ use crate::EngineError;
 /// (ncu, 2026-11-24): 3.5 ms of a 25 ms step.
 const LORA_DENSE_MAX_ROWS: usize = 256;
 
+/// From this many rows the LoRA down-projections go to the tensor-core kernel
+/// ([`qerl_kernels::lora_down_mma`]) where it runs; below, the plane kernel. On an H200
+/// (2026-11-29, one 7B decode step under ncu) at 64 rows the tensor-core kernel took 5.4 µs
+/// (K = 3584) and 10.3 µs (K = 18944) against the plane kernel's 5.9-6.3 and 8.6, and the step
+/// 6.80 ms against 6.72-6.76; at 256 rows the step took 16.41-16.47 ms against 16.55-16.64.
+/// `QERL_LORA_MMA_MIN_ROWS` (read once) moves the line, for A/B timing.
+fn lora_mma_min_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("QERL_LORA_MMA_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(128)
+    })
+}
+
 /// A product whose output the next norm adds to the residual stream (o, down) into `d`, or,
 /// where it would end in a split-K reduction of its own, its unreduced K-slices for that norm
 /// to add ([`crate::kernels::norm::Residual::Parts`]): one launch fewer a layer. Up to
@@ -74,8 +90,9 @@ pub(crate) struct LoraOutputs {
 }
 
 /// The LoRA down-projections `t[i] = x · A_iᵀ` of `layers` (those with an adapter): one launch
-/// for up to three adapters of equal rank when few rows (tensor cores, else plane operations,
-/// else the portable dense kernel), else one each.
+/// for up to three adapters of equal rank when few rows (tensor cores from
+/// [`lora_mma_min_rows`], else plane operations, else the portable dense kernel), else one
+/// each.
 pub(crate) fn lora_downs<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -96,8 +113,9 @@ pub(crate) fn lora_downs<R: Runtime, F: Float>(
         static DENSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let forced =
             *DENSE.get_or_init(|| std::env::var("QERL_LORA_DOWN").is_ok_and(|v| v == "dense"));
+        let mma = m >= lora_mma_min_rows();
         let ran = !forced
-            && (lora_down_mma::<R, F>(client, x, m, &a, rank, k, &out, lora_t)
+            && ((mma && lora_down_mma::<R, F>(client, x, m, &a, rank, k, &out, lora_t))
                 || crate::kernels::lora_down::lora_down::<R, F>(client, x, m, &a, rank, k, &out));
         if !ran {
             dense::<R, F, f32>(client, x, m, &a, rank, k, Default::default(), &out);

@@ -55,8 +55,8 @@ struct Knobs {
 impl Knobs {
     const DEFAULT: Knobs = Knobs {
         enabled: true,
-        warps: 4,
-        target: 32,
+        warps: 8,
+        target: 8,
         cluster: true,
         loads: 16,
     };
