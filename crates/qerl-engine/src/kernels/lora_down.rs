@@ -20,7 +20,9 @@
 //! a row reads only itself, so its T is bit-identical alone or in any batch (each tile is its
 //! own compilation, but the arithmetic of an output is the same `fma` chain and adds in each).
 //! Needs plane operations with 32-wide planes (CUDA); [`applies`] is false elsewhere (wgpu,
-//! lavapipe) and the caller uses [`super::dense`].
+//! lavapipe) and the caller uses [`super::dense`]. From 128 rows the engine takes the
+//! tensor-core kernel `qerl_kernels::lora_down_mma` instead (faster there, not at 64 rows:
+//! docs/benchmarks/rollout.md session 28).
 
 use cubecl::features::Plane;
 use cubecl::prelude::*;
