@@ -279,7 +279,15 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         let o_parts = if m > crate::kernels::fused_lora::MAX_ROWS {
             residual_product::<R, F>(client, &ws.attn, m, &layer.o, &ws.d, &ws.lora, t_ready)?
         } else {
-            linears::<R, F>(client, &ws.attn, m, &[&layer.o], &[&ws.d], &ws.lora, t_ready)?;
+            linears::<R, F>(
+                client,
+                &ws.attn,
+                m,
+                &[&layer.o],
+                &[&ws.d],
+                &ws.lora,
+                t_ready,
+            )?;
             None
         };
         let t_ready = norm::<R, F>(

@@ -8,7 +8,7 @@ use cubecl::server::Handle;
 use qerl_kernels::gemm::{self, LoraEpilogue, SegmentsOutcome};
 
 use crate::kernels::dense::{self, dense, DenseEpilogue};
-use crate::weights::{Frozen, Linear};
+use crate::weights::{Frozen, Linear, LoraWeights};
 use crate::EngineError;
 
 /// Up to this many rows (every decode batch) the LoRA down-projections go through
@@ -32,6 +32,16 @@ fn lora_mma_min_rows() -> usize {
             .and_then(|v| v.parse().ok())
             .unwrap_or(128)
     })
+}
+
+/// The 4-bit products' LoRA epilogue of adapter `a` with its down-projection `t`.
+fn lora_epilogue<'a>(t: &'a Handle, a: &'a LoraWeights) -> LoraEpilogue<'a> {
+    LoraEpilogue {
+        t,
+        b: &a.b,
+        rank: a.rank,
+        scale: a.scale,
+    }
 }
 
 /// A product whose output the next norm adds to the residual stream (o, down) into `d`, or,
@@ -61,12 +71,7 @@ pub(crate) fn residual_product<R: Runtime, F: Float>(
     if !t_ready {
         lora_downs::<R, F>(client, x, m, &[layer], lora_t)?;
     }
-    let lora = layer.lora.as_ref().map(|a| LoraEpilogue {
-        t: &lora_t.t[0],
-        b: &a.b,
-        rank: a.rank,
-        scale: a.scale,
-    });
+    let lora = layer.lora.as_ref().map(|a| lora_epilogue(&lora_t.t[0], a));
     Ok(gemm::matmul_or_parts::<R, F>(
         client,
         x,
@@ -206,12 +211,7 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
             Frozen::Quant(wq) => Some(gemm::SegmentProduct {
                 weight: wq,
                 bias: l.bias.as_ref(),
-                lora: l.lora.as_ref().map(|a| LoraEpilogue {
-                    t: &t[i],
-                    b: &a.b,
-                    rank: a.rank,
-                    scale: a.scale,
-                }),
+                lora: l.lora.as_ref().map(|a| lora_epilogue(&t[i], a)),
                 y,
             }),
             Frozen::Dense(_) => None,
@@ -225,16 +225,15 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
         }
     }
     for ((i, l), y) in layers.iter().enumerate().zip(outputs) {
-        let lora = l.lora.as_ref().map(|a| (&t[i], &a.b, a.rank, a.scale));
         match &l.weight {
             Frozen::Quant(wq) => {
-                let lora = lora.map(|(t, b, rank, scale)| LoraEpilogue { t, b, rank, scale });
+                let lora = l.lora.as_ref().map(|a| lora_epilogue(&t[i], a));
                 gemm::matmul::<R, F>(client, x, m, wq, l.bias.as_ref(), lora, y)?;
             }
             Frozen::Dense(d) => {
                 let epilogue = DenseEpilogue {
                     bias: l.bias.as_ref(),
-                    lora,
+                    lora: l.lora.as_ref().map(|a| (&t[i], &a.b, a.rank, a.scale)),
                 };
                 product::<R, F, F>(client, x, m, d, l.n, l.k, epilogue, y)?;
             }

@@ -464,7 +464,10 @@ fn ld_run<F: Float + CubeElement>(
     };
     assert!(ran, "{what}: {kernel:?} did not run on this device");
     let zeros = u32::from_bytes(&c.read_one(counters).unwrap()).to_vec();
-    assert!(zeros.iter().all(|&z| z == 0), "{what}: counters left {zeros:?}");
+    assert!(
+        zeros.iter().all(|&z| z == 0),
+        "{what}: counters left {zeros:?}"
+    );
     th.iter()
         .map(|h| {
             let mut v = f32::from_bytes(&c.read_one(h.clone()).unwrap()).to_vec();
@@ -486,7 +489,7 @@ fn ld_check<F: Float + CubeElement>(kernel: LdKernel) {
         for m in LD_MS {
             for adapters in 1..=3 {
                 for rank in [16, 8] {
-                    if kernel == LdKernel::Mma && k % 32 != 0 {
+                    if kernel == LdKernel::Mma && !k.is_multiple_of(32) {
                         assert!(!lora_down_mma::applies::<R, F>(&c, m, adapters, rank, k));
                         continue;
                     }
@@ -550,7 +553,10 @@ fn ld_batch_invariant(kernel: LdKernel) {
     type F = half::bf16;
     let c = client();
     let (mut g, seed) = rng();
-    for k in LD_KS.into_iter().filter(|k| kernel == LdKernel::Plane || k % 32 == 0) {
+    for k in LD_KS
+        .into_iter()
+        .filter(|k| kernel == LdKernel::Plane || k.is_multiple_of(32))
+    {
         let case = ld_case::<F>(&mut g, k);
         for (adapters, rank) in [(3, 16), (1, 16), (2, 8)] {
             let what = |m: usize| format!("K {k} adapters {adapters} rank {rank} m {m}");

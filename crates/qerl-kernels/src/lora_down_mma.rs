@@ -245,7 +245,11 @@ pub fn applies<R: Runtime, F: Float>(
 /// The f32 values of scratch ("sums") [`lora_down_mma`] may need at up to `m` rows of depth
 /// `k`, whatever the adapters (the most columns it takes, [`MAX_COLS`]); 0 where it does not
 /// run here. Callers size one buffer with the largest over their depths.
-pub fn scratch_floats<R: Runtime, F: Float>(client: &ComputeClient<R>, m: usize, k: usize) -> usize {
+pub fn scratch_floats<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    k: usize,
+) -> usize {
     (8..=MAX_COLS)
         .step_by(8)
         .filter_map(|cols| plan::<R, F>(client, m, 1, cols, k))
@@ -343,7 +347,10 @@ mod tests {
                     assert!(p.depth.is_power_of_two() && p.depth <= p.steps.max(1));
                     assert!(p.scratch_floats(64) * 4 <= 1 << 20, "{k} {p:?}");
                     assert!(p.warps * 16 * segments * rank * 4 <= SHARED_BYTES);
-                    assert!(p.cl <= MAX_CLUSTER && p.cubes % p.cl == 0, "{k} {p:?}");
+                    assert!(
+                        p.cl <= MAX_CLUSTER && p.cubes.is_multiple_of(p.cl),
+                        "{k} {p:?}"
+                    );
                     assert!(cluster || p.cl == 1);
                     let idle = p.cubes - (k / STEP).div_ceil(per_cube);
                     assert!(idle < p.cl, "{k} {p:?}: {idle} idle cubes");
@@ -361,7 +368,9 @@ mod tests {
     fn source_defines_the_configuration() {
         let p = Plan::new(3, 16, 3584, false, true, Knobs::DEFAULT).unwrap();
         let text = p.source();
-        let names = ["WARPS", "SEGMENTS", "RANK", "NT", "STEPS", "CUBES", "DEPTH", "IS_F16"];
+        let names = [
+            "WARPS", "SEGMENTS", "RANK", "NT", "STEPS", "CUBES", "DEPTH", "IS_F16",
+        ];
         for name in names.into_iter().chain(["CL"]) {
             assert!(text.contains(&format!("#define {name} ")), "{name}");
         }
