@@ -275,3 +275,20 @@ pub(crate) fn decode_word_to(
         dst[offset + i] = code_table[code as usize] * s;
     }
 }
+
+/// The tuning knob `key` from the environment (experiments): its value where it parses and `ok`
+/// accepts it, else `default`.
+pub(crate) fn env_knob(key: &str, ok: &dyn Fn(usize) -> bool, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|v| ok(*v))
+        .unwrap_or(default)
+}
+
+/// Whether the switch `key` is on: unset, or anything but `0` and `off`.
+pub(crate) fn env_switch(key: &str) -> bool {
+    std::env::var(key)
+        .ok()
+        .is_none_or(|v| v != "0" && v != "off")
+}

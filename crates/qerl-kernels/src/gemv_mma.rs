@@ -82,18 +82,10 @@ impl Knobs {
     fn get() -> Knobs {
         static KNOBS: OnceLock<Knobs> = OnceLock::new();
         *KNOBS.get_or_init(|| {
-            let num = |k: &str, ok: &dyn Fn(usize) -> bool, d: usize| {
-                std::env::var(k)
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .filter(|v| ok(*v))
-                    .unwrap_or(d)
-            };
+            let num = crate::device::env_knob;
             let d = Knobs::DEFAULT;
             Knobs {
-                enabled: std::env::var("QERL_GEMV_MMA")
-                    .ok()
-                    .is_none_or(|v| v != "0" && v != "off"),
+                enabled: crate::device::env_switch("QERL_GEMV_MMA"),
                 rt: num("QERL_GEMV_MMA_RT", &|v| v == 1 || v == 2, d.rt),
                 depth: num("QERL_GEMV_MMA_DEPTH", &|v| (1..=4).contains(&v), d.depth),
                 min_cubes: num(

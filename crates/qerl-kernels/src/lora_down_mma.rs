@@ -64,27 +64,17 @@ impl Knobs {
     fn get() -> Knobs {
         static KNOBS: OnceLock<Knobs> = OnceLock::new();
         *KNOBS.get_or_init(|| {
-            let num = |k: &str, ok: &dyn Fn(usize) -> bool, d: usize| {
-                std::env::var(k)
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .filter(|v| ok(*v))
-                    .unwrap_or(d)
-            };
+            let num = crate::device::env_knob;
             let d = Knobs::DEFAULT;
             Knobs {
-                enabled: std::env::var("QERL_LORA_MMA")
-                    .ok()
-                    .is_none_or(|v| v != "0" && v != "off"),
+                enabled: crate::device::env_switch("QERL_LORA_MMA"),
                 warps: num(
                     "QERL_LORA_MMA_WARPS",
                     &|v| v.is_power_of_two() && v <= 16,
                     d.warps,
                 ),
                 target: num("QERL_LORA_MMA_CUBES", &|v| (1..=64).contains(&v), d.target),
-                cluster: std::env::var("QERL_LORA_MMA_CLUSTER")
-                    .ok()
-                    .is_none_or(|v| v != "0" && v != "off"),
+                cluster: crate::device::env_switch("QERL_LORA_MMA_CLUSTER"),
                 loads: num("QERL_LORA_MMA_LOADS", &|v| (4..=32).contains(&v), d.loads),
             }
         })
