@@ -9,6 +9,7 @@
 # ENGINE_TESTS="filter ...": the engine's CUDA tests matching these filters instead of the
 # segment tests (carry .device/kernels_cuda, stripped; session 28: the tensor-core LoRA
 # down-projections).
+# EXTRA="name:ENV=v,ENV=v@batch ...": one more wall-time run each, at its batch (session 29).
 # Carry .device/qerl.tar.gz and .device/kernels.xz. There: bash tools/device_ab.sh
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
@@ -68,6 +69,13 @@ if [ "${SASS:-1}" = 1 ]; then
     done
   done
 fi
+for v in ${EXTRA:-}; do
+  name=${v%%:*}; spec=${v#*:}; IFS=, read -ra ev <<< "${spec%@*}"
+  r=$(env "${ev[@]}" timeout -k 5 150 /tmp/qm/qerl bench rollout --shape qwen2.5-7b \
+    --precision nvfp4 --batch "${spec##*@}" --prompt 256 --new-tokens 128 --no-check 2>/dev/null |
+    grep "| qwen" | awk -F'|' '{print $6, $8}')
+  echo "extra $name (batch ${spec##*@}): ms/step, decode tokens/s = $r"
+done
 if [ -n "${PROFILE:-}" ]; then
   # shellcheck disable=SC2086 # the variants are words
   TOP=${TOP:-22} bash tools/device_step_profile.sh $PROFILE

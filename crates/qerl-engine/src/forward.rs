@@ -379,9 +379,11 @@ pub(crate) fn forward<R: Runtime, F: Float>(
 }
 
 /// The add + RMSNorm before `layers` (which read its output `ws.xn`), with their LoRA
-/// down-projections into `ws.lora.t` in the same launch where [`norm_lora`] takes them (decode
-/// batches; every layer with an adapter of one rank): then the sum goes to the spare residual
-/// buffer and the two swap. Returns whether `ws.lora.t` is filled.
+/// down-projections into `ws.lora.t` in the same launch where every layer has an adapter of
+/// one rank and a fused kernel takes them: on CUDA with clusters, past a few rows,
+/// [`qerl_kernels::norm_cluster`] (the residual in place; also without adapters); at a few
+/// rows [`norm_lora`] (then the sum goes to the spare residual buffer and the two swap).
+/// Returns whether `ws.lora.t` is filled.
 #[allow(clippy::too_many_arguments)]
 fn norm<'a, R: Runtime, F: Float>(
     client: &ComputeClient<R>,
@@ -395,8 +397,34 @@ fn norm<'a, R: Runtime, F: Float>(
 ) -> bool {
     let adapters: Vec<_> = layers.iter().filter_map(|l| l.lora.as_ref()).collect();
     let rank = adapters.first().map_or(0, |a| a.rank);
-    let fused = adapters.len() == layers.len()
-        && adapters.iter().all(|a| a.rank == rank)
+    let uniform = adapters.len() == layers.len() && adapters.iter().all(|a| a.rank == rank);
+    #[cfg(feature = "cuda")]
+    if uniform || adapters.is_empty() {
+        use qerl_kernels::norm_cluster::{add_norm_lora, Add};
+        let add = match d {
+            Residual::None => Add::None,
+            Residual::Dense(h) => Add::Dense(h),
+            Residual::Parts(p, slices) => Add::Parts(p, slices),
+        };
+        let a: Vec<&Handle> = adapters.iter().map(|a| &a.a).collect();
+        let t: Vec<&Handle> = ws.lora.t.iter().take(a.len()).collect();
+        let h: &Handle = res;
+        if add_norm_lora::<R, F>(
+            client,
+            h,
+            add,
+            gain,
+            m,
+            s.hidden,
+            s.rms_eps,
+            &ws.xn,
+            (&a, rank, &t),
+            None,
+        ) {
+            return !a.is_empty();
+        }
+    }
+    let fused = uniform
         && norm_lora::<R, F>(
             client,
             res,

@@ -852,3 +852,129 @@ fn cuda_silu_mul_parts_bf16() {
         );
     }
 }
+
+/// The add + RMSNorm spread over a cluster with the LoRA down-projections
+/// (`qerl_kernels::norm_cluster`, sm_90) in bf16 at Qwen2.5 widths (896, 3584, 5120), at 1,
+/// 9, 64 and 130 rows, 1, 2, 4 and 8 rows a cluster, the residual nothing, a product's output
+/// or its 2 or 9 unreduced K-slices, with three, two or no adapters of rank 16: the norm's
+/// output and the residual equal the engine's unfused kernel's bit for bit (its sums of squares
+/// meet in the same tree), `T` equals an f64 host product of the kernel's own (rounded) row and
+/// the adapter within a relative L2 error of 1e-5 (f32 sums of exact products), and row 0's `T`
+/// is the same bits at 1 and 64 rows. Outputs are poisoned with NaN before each launch.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test -p qerl-engine --features cuda --test kernels_cuda -- --ignored"]
+fn cuda_norm_cluster_bf16() {
+    use qerl_engine::kernels::norm::{add_rms_norm, Residual};
+    use qerl_kernels::norm_cluster::{add_norm_lora, launches, Add};
+    type F = half::bf16;
+    let c = client();
+    let (mut g, seed) = rng();
+    let mut uni = |n: usize| -> Vec<f32> { (0..n).map(|_| g.random_range(-1.0f32..1.0)).collect() };
+    let rank = 16;
+    let before = launches();
+    let mut case = 0usize;
+    for dim in [3584, 896, 5120] {
+        let max_rows = 130;
+        let h = to_f::<F>(&uni(max_rows * dim));
+        let d = to_f::<F>(&uni(max_rows * dim));
+        let gain: Vec<f32> = (0..dim).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();
+        let a: Vec<Vec<F>> = (0..3).map(|_| to_f::<F>(&uni(rank * dim))).collect();
+        let gh = up::<f32>(&c, &gain);
+        let ah: Vec<Handle> = a.iter().map(|v| up(&c, v)).collect();
+        let mut row0_alone: Option<Vec<f64>> = None;
+        for rpc in [1, 2, 4, 8] {
+            for m in [1, 9, 64, 130] {
+                case += 1;
+                // The residual and adapters rotate with the case; the row-0 pair is fixed.
+                let pair = rpc == 4 && (m == 1 || m == 64);
+                let kind = if pair { 1 } else { case % 4 };
+                let segments = if pair { 3 } else { [3, 2, 0][case % 3] };
+                let slices = [0, 0, 2, 9][kind];
+                let what = format!(
+                    "norm_cluster dim {dim} rows {m} rpc {rpc} residual {kind} slices {slices} \
+                     adapters {segments}"
+                );
+                let parts = uni(slices.max(1) * m * dim);
+                let (dh, ph) = (up(&c, &d[..m * dim]), up::<f32>(&c, &parts));
+                let (add, residual) = match kind {
+                    0 => (Add::None, Residual::None),
+                    1 => (Add::Dense(&dh), Residual::Dense(&dh)),
+                    _ => (Add::Parts(&ph, slices), Residual::Parts(&ph, slices)),
+                };
+                let hh = up(&c, &h[..m * dim]);
+                let y = up(&c, &vec![F::NAN; m * dim]);
+                let th: Vec<Handle> = (0..segments)
+                    .map(|_| up::<f32>(&c, &vec![f32::NAN; m * rank]))
+                    .collect();
+                let ran = add_norm_lora::<R, F>(
+                    &c,
+                    &hh,
+                    add,
+                    &gh,
+                    m,
+                    dim,
+                    1e-6,
+                    &y,
+                    (
+                        &ah.iter().take(segments).collect::<Vec<_>>(),
+                        rank,
+                        &th.iter().collect::<Vec<_>>(),
+                    ),
+                    Some(rpc),
+                );
+                assert!(ran, "{what}: applies");
+                let (h_ref, y_ref) = (up(&c, &h[..m * dim]), up(&c, &vec![F::NAN; m * dim]));
+                add_rms_norm::<R, F>(&c, &h_ref, m, residual, &gh, None, m, dim, 1e-6, &y_ref);
+                let yv = read::<F>(&c, &y);
+                let yr = read::<F>(&c, &y_ref);
+                let diff = yv.iter().zip(&yr).filter(|(a, b)| a != b).count();
+                assert!(
+                    diff == 0,
+                    "{what}: norm output differs from the unfused kernel's in {diff} of {} \
+                     elements (first at {:?}), seed {seed}",
+                    yv.len(),
+                    yv.iter().zip(&yr).position(|(a, b)| a != b)
+                );
+                assert_eq!(
+                    read::<F>(&c, &hh),
+                    read::<F>(&c, &h_ref),
+                    "{what}: residual, seed {seed}"
+                );
+                for (s, t) in th.iter().enumerate() {
+                    let t = read::<f32>(&c, t);
+                    let want: Vec<f64> = (0..m * rank)
+                        .map(|i| {
+                            (0..dim)
+                                .map(|j| {
+                                    yv[(i / rank) * dim + j] * a[s][(i % rank) * dim + j].to_f64()
+                                })
+                                .sum()
+                        })
+                        .collect();
+                    assert!(
+                        t.iter().all(|v| v.is_finite()),
+                        "{what}: unwritten T, seed {seed}"
+                    );
+                    let num: f64 = t.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+                    let den: f64 = want.iter().map(|w| w * w).sum();
+                    let rel = (num / den).sqrt();
+                    assert!(
+                        rel < 1e-5,
+                        "{what} adapter {s}: T relative error {rel:.2e}, seed {seed}"
+                    );
+                    if pair && s == 0 {
+                        match &row0_alone {
+                            None => row0_alone = Some(t[..rank].to_vec()),
+                            Some(alone) => assert_eq!(
+                                &t[..rank],
+                                &alone[..],
+                                "{what}: row 0's T differs from alone, seed {seed}"
+                            ),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(launches() - before, case, "norm_cluster: every case launched it");
+}

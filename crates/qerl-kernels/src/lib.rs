@@ -20,6 +20,8 @@
 //!
 //! * `lora_down_mma` (CUDA builds): a decode batch's LoRA down-projections `T = X·Aᵀ` on
 //!   tensor cores, K cut over many cubes.
+//! * `norm_cluster` (CUDA builds): a decode batch's residual add + RMSNorm spread over a
+//!   thread-block cluster, with the LoRA down-projections of the products that read it.
 //!
 //! Kernels cubecl cannot express (`wgmma`, register-level bit tricks) are hand-written CUDA,
 //! compiled and launched on cubecl's own stream through the CUDA-only `cuda_source` module.
@@ -49,6 +51,8 @@ mod gemv;
 mod gemv_mma;
 #[cfg(feature = "cuda")]
 pub mod lora_down_mma;
+#[cfg(feature = "cuda")]
+pub mod norm_cluster;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;

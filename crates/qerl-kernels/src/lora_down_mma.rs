@@ -184,7 +184,7 @@ pub fn launches() -> usize {
 }
 
 /// Whether `F` is f16 (else bf16), or `None` for another type.
-fn is_f16<F: Float>() -> Option<bool> {
+pub(crate) fn is_f16<F: Float>() -> Option<bool> {
     let ty = F::as_type_native_unchecked();
     if ty == half::bf16::as_type_native_unchecked() {
         Some(false)

@@ -1,0 +1,282 @@
+// The residual add + RMSNorm of a decode batch spread over a thread-block cluster, with the
+// LoRA down-projections of the products that read the norm's output (see norm_cluster.rs for
+// why and how it is launched). For RPC rows a cluster of CL = 8 cubes:
+//
+//     e = h + d            (or h + F(sum of SLICES f32 K-slices), or h alone), stored to h
+//     y = F(e * inv_rms(e) * gain)
+//     T_s[row, :] = y * A_s^T   (f32), s < SEGMENTS
+//
+// Vectors are 8 elements (16 bytes). The unfused kernel (the engine's `add_rms_norm`) gives a
+// row to 256 units, unit t holding the vectors t, t + 256, ..., summing their squares in order
+// and then adding the units' sums by a shared-memory tree with strides 128 .. 1. Here cube j of
+// the cluster holds the vectors v = j (mod 8): its lane i (of the row's warp) is unit
+// t = j + 8i with the same vectors, so a shuffle tree with strides 16 .. 1 is the unfused
+// tree's strides 128 .. 8, and the cubes' sums, read from each other's shared memory, are added
+// by the remaining strides 4, 2, 1 in every cube alike. The norm is the unfused kernel's bit
+// for bit.
+//
+// The LoRA sums: warp w takes the adapter rows w, w + WARPS, ...; its lanes take the cube's
+// vectors (the adapters' loads are issued first, before anything waits), each lane adds its
+// products in order, the warp by a shuffle tree, the cubes' sums in cube order (cube j adds the
+// outputs j, j + 8, ... of the cluster from all cubes' shared memory). Per row, so a row's T
+// is the same bits whatever the batch.
+//
+// The host prepends: WARPS, RPC (rows a cluster, <= WARPS), PER_UNIT (vectors a unit of the
+// unfused kernel holds), SEGMENTS (0 to 3), RANK, AR (adapter rows a warp), LV (vectors a lane
+// a adapter row), ADD, SLICES (0: a dense d), IS_F16.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+struct __align__(16) f32x4 { float x, y, z, w; };
+
+// Scalars, packed by norm_cluster.rs in this order.
+struct Info {
+    u32 rows, vecs;
+    float dim, eps;
+};
+
+#define CL 8
+#define THREADS (WARPS * 32)
+#define NA (SEGMENTS * RANK)
+#define FULL 0xffffffffu
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+#if IS_F16
+__device__ __forceinline__ float to_f32(u32 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)h));
+    return f;
+}
+__device__ __forceinline__ u32 of_f32(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#else
+__device__ __forceinline__ float to_f32(u32 h) { return __uint_as_float(h << 16); }
+__device__ __forceinline__ u32 of_f32(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#endif
+
+// Element k of a vector of 8.
+__device__ __forceinline__ u32 elem(const u32x4& v, int k) {
+    const u32 w = k < 2 ? v.x : k < 4 ? v.y : k < 6 ? v.z : v.w;
+    return (k & 1) ? w >> 16 : w & 0xffffu;
+}
+
+__device__ __forceinline__ u32x4 pack(const u32* e) {
+    u32x4 v;
+    v.x = e[0] | e[1] << 16;
+    v.y = e[2] | e[3] << 16;
+    v.z = e[4] | e[5] << 16;
+    v.w = e[6] | e[7] << 16;
+    return v;
+}
+
+__device__ __forceinline__ float comp(const f32x4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// The f32 at shared address `addr` of the cluster's cube `rank`.
+__device__ __forceinline__ float load_cluster(u32 addr, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// Every unit of the cluster's cubes: what each stored to shared memory before is visible to all.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Vector v of `row` after the add, as the unfused kernel rounds it: each sum in f32, rounded
+// once to F (the K-slices added in slice order and rounded, then added to h and rounded).
+__device__ __forceinline__ u32x4 residual(const u32x4* h, const u32x4* d, const f32x4* parts,
+                                          size_t at, size_t stride) {
+    const u32x4 x = h[at];
+#if !ADD
+    return x;
+#else
+    u32 e[8];
+#if SLICES == 0
+    const u32x4 dv = d[at];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] = of_f32(to_f32(elem(x, k)) + to_f32(elem(dv, k)));
+#else
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        f32x4 p = parts[2 * at + q];
+#pragma unroll
+        for (int s = 1; s < SLICES; ++s) {
+            const f32x4 u = parts[s * stride + 2 * at + q];
+            p.x += u.x;
+            p.y += u.y;
+            p.z += u.z;
+            p.w += u.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float dk = to_f32(of_f32(comp(p, i)));
+            e[4 * q + i] = of_f32(to_f32(elem(x, 4 * q + i)) + dk);
+        }
+    }
+#endif
+    return pack(e);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
+    qerl_norm_cluster(u32x4* h, const u32x4* __restrict__ d, const f32x4* __restrict__ parts,
+                      const f32x4* __restrict__ gain, const u32x4* __restrict__ a0,
+                      const u32x4* __restrict__ a1, const u32x4* __restrict__ a2,
+                      u32x4* __restrict__ y, float* t0, float* t1, float* t2, const Info info) {
+    // The rows' sums of squares of this cube, its rows of y, and its LoRA sums.
+    __shared__ float sq_part[RPC];
+    __shared__ u32x4 ys[RPC][LV * 32];
+#if SEGMENTS > 0
+    __shared__ float lora_part[RPC * NA];
+#endif
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int j = blockIdx.x;  // the cube's rank in its cluster
+    const int rows = (int)info.rows, vecs = (int)info.vecs;
+    const int row0 = blockIdx.y * RPC;
+#if SEGMENTS > 0
+    // The cube's vectors: j, j + 8, ... below vecs.
+    const int cv = (vecs - j + CL - 1) / CL;
+    // The adapters' vectors of this warp's rows and this lane's columns, loaded first.
+    u32x4 av[AR][LV];
+#pragma unroll
+    for (int q = 0; q < AR; ++q) {
+        const int a = imin(warp + WARPS * q, NA - 1);
+        const int s = a / RANK;
+        const u32x4* ap = (s == 0 ? a0 : s == 1 ? a1 : a2) + (size_t)(a % RANK) * vecs;
+#pragma unroll
+        for (int l = 0; l < LV; ++l) av[q][l] = ap[j + CL * imin(lane + 32 * l, cv - 1)];
+    }
+#endif
+
+    // The norm: warp r takes row row0 + r (rows past the end repeat the last, never stored).
+    const bool norm_warp = warp < RPC;
+    const int row = imin(row0 + warp, rows - 1);
+    const bool stores = norm_warp && row0 + warp < rows;
+    const int t = j + CL * lane;  // the unfused kernel's unit
+    u32x4 e[PER_UNIT];
+    f32x4 g[PER_UNIT][2];
+    if (norm_warp) {
+        const size_t stride = (size_t)rows * vecs * 2;
+#pragma unroll
+        for (int u = 0; u < PER_UNIT; ++u) {
+            const int v = imin(t + 256 * u, vecs - 1);
+            e[u] = residual(h, d, parts, (size_t)row * vecs + v, stride);
+            g[u][0] = gain[2 * v];
+            g[u][1] = gain[2 * v + 1];
+        }
+        float sq = 0.0f;
+#pragma unroll
+        for (int u = 0; u < PER_UNIT; ++u) {
+            if (t + 256 * u < vecs) {
+#if ADD
+                if (stores) h[(size_t)row * vecs + t + 256 * u] = e[u];
+#endif
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const float f = to_f32(elem(e[u], k));
+                    sq += f * f;
+                }
+            }
+        }
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) sq += __shfl_down_sync(FULL, sq, s);
+        if (lane == 0) sq_part[warp] = sq;
+    }
+    cluster_sync();
+    if (norm_warp) {
+        const u32 at = smem_addr(sq_part + warp);
+        float p[CL];
+#pragma unroll
+        for (int c = 0; c < CL; ++c) p[c] = load_cluster(at, c);
+#pragma unroll
+        for (int s = CL / 2; s > 0; s >>= 1) {
+#pragma unroll
+            for (int c = 0; c < s; ++c) p[c] += p[c + s];
+        }
+        const float inv = 1.0f / sqrtf(p[0] / info.dim + info.eps);
+#pragma unroll
+        for (int u = 0; u < PER_UNIT; ++u) {
+            if (t + 256 * u < vecs) {
+                u32 o[8];
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    o[k] = of_f32(to_f32(elem(e[u], k)) * inv * comp(g[u][k / 4], k % 4));
+                const u32x4 ov = pack(o);
+                if (stores) y[(size_t)row * vecs + t + 256 * u] = ov;
+                ys[warp][lane + 32 * u] = ov;
+            }
+        }
+    }
+#if SEGMENTS > 0
+    __syncthreads();
+    // The LoRA sums of the cube's columns: lane products in order, then the warp's tree.
+#pragma unroll
+    for (int r = 0; r < RPC; ++r) {
+        float acc[AR];
+#pragma unroll
+        for (int q = 0; q < AR; ++q) acc[q] = 0.0f;
+#pragma unroll
+        for (int l = 0; l < LV; ++l) {
+            const int c = lane + 32 * l;
+            if (c < cv) {
+                const u32x4 xv = ys[r][c];
+#pragma unroll
+                for (int q = 0; q < AR; ++q) {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k)
+                        acc[q] = fmaf(to_f32(elem(xv, k)), to_f32(elem(av[q][l], k)), acc[q]);
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < AR; ++q) {
+            float v = acc[q];
+#pragma unroll
+            for (int s = 16; s > 0; s >>= 1) v += __shfl_down_sync(FULL, v, s);
+            const int a = warp + WARPS * q;
+            if (lane == 0 && a < NA) lora_part[r * NA + a] = v;
+        }
+    }
+    cluster_sync();
+    // Cube j adds the outputs j, j + 8, ... over the cluster's cubes, in cube order.
+    const u32 base = smem_addr(lora_part);
+    for (int o = j + CL * tid; o < RPC * NA; o += CL * THREADS) {
+        float p[CL];
+#pragma unroll
+        for (int c = 0; c < CL; ++c) p[c] = load_cluster(base + 4 * o, c);
+        float v = p[0];
+#pragma unroll
+        for (int c = 1; c < CL; ++c) v += p[c];
+        const int r = o / NA, a = o % NA;
+        if (row0 + r < rows) {
+            const int s = a / RANK;
+            float* tp = s == 0 ? t0 : s == 1 ? t1 : t2;
+            tp[(size_t)(row0 + r) * RANK + a % RANK] = v;
+        }
+    }
+#endif
+    // No cube leaves while another may still read its shared memory.
+    cluster_sync();
+}
