@@ -8,18 +8,18 @@
 //
 // Vectors are 8 elements (16 bytes). The unfused kernel (the engine's `add_rms_norm`) gives a
 // row to 256 units, unit t holding the vectors t, t + 256, ..., summing their squares in order
-// and then adding the units' sums by a shared-memory tree with strides 128 .. 1. Here cube j of
-// the cluster holds the vectors v = j (mod 8): its lane i (of the row's warp) is unit
-// t = j + 8i with the same vectors, so a shuffle tree with strides 16 .. 1 is the unfused
-// tree's strides 128 .. 8, and the cubes' sums, read from each other's shared memory, are added
-// by the remaining strides 4, 2, 1 in every cube alike. The norm is the unfused kernel's bit
-// for bit.
+// and then adding the units' sums by a shared-memory tree with strides 128 .. 1. Here lane i of
+// cube j (in the row's warp) is unit t = 32j + i with the same vectors (each warp-wide load
+// 512 contiguous bytes). The units' sums are exchanged through the cluster's shared memory:
+// every cube's lane i reads the sums of the units i, i + 32, ..., i + 224, adds them by the
+// tree's strides 128, 64, 32, and the warp's shuffle tree does the strides 16 .. 1: in every
+// cube the same sum, the unfused kernel's bit for bit, and so is the norm.
 //
 // The LoRA sums: warp w takes the adapter rows w, w + WARPS, ...; its lanes take the cube's
-// vectors (the adapters' loads are issued first, before anything waits), each lane adds its
-// products in order, the warp by a shuffle tree, the cubes' sums in cube order (cube j adds the
-// outputs j, j + 8, ... of the cluster from all cubes' shared memory). Per row, so a row's T
-// is the same bits whatever the batch.
+// vectors as the units do (the adapters' loads are issued first, before anything waits), each
+// lane adds its products in order, the warp by a shuffle tree, the cubes' sums in cube order
+// (cube j adds the outputs j, j + 8, ... of the cluster from all cubes' shared memory). Per
+// row, so a row's T is the same bits whatever the batch.
 //
 // The host prepends: WARPS, RPC (rows a cluster, <= WARPS), PER_UNIT (vectors a unit of the
 // unfused kernel holds), SEGMENTS (0 to 3), RANK, AR (adapter rows a warp), LV (vectors a lane
@@ -144,8 +144,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
                       const f32x4* __restrict__ gain, const u32x4* __restrict__ a0,
                       const u32x4* __restrict__ a1, const u32x4* __restrict__ a2,
                       u32x4* __restrict__ y, float* t0, float* t1, float* t2, const Info info) {
-    // The rows' sums of squares of this cube, its rows of y, and its LoRA sums.
-    __shared__ float sq_part[RPC];
+    // The sums of squares of this cube's units, its rows of y, and its LoRA sums.
+    __shared__ float sq_part[RPC][32];
     __shared__ u32x4 ys[RPC][LV * 32];
 #if SEGMENTS > 0
     __shared__ float lora_part[RPC * NA];
@@ -156,8 +156,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
     const int rows = (int)info.rows, vecs = (int)info.vecs;
     const int row0 = blockIdx.y * RPC;
 #if SEGMENTS > 0
-    // The cube's vectors: j, j + 8, ... below vecs.
-    const int cv = (vecs - j + CL - 1) / CL;
     // The adapters' vectors of this warp's rows and this lane's columns, loaded first.
     u32x4 av[AR][LV];
 #pragma unroll
@@ -166,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
         const int s = a / RANK;
         const u32x4* ap = (s == 0 ? a0 : s == 1 ? a1 : a2) + (size_t)(a % RANK) * vecs;
 #pragma unroll
-        for (int l = 0; l < LV; ++l) av[q][l] = ap[j + CL * imin(lane + 32 * l, cv - 1)];
+        for (int l = 0; l < LV; ++l) av[q][l] = ap[imin(32 * j + lane + 256 * l, vecs - 1)];
     }
 #endif
 
@@ -174,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
     const bool norm_warp = warp < RPC;
     const int row = imin(row0 + warp, rows - 1);
     const bool stores = norm_warp && row0 + warp < rows;
-    const int t = j + CL * lane;  // the unfused kernel's unit
+    const int t = 32 * j + lane;  // the unfused kernel's unit
     u32x4 e[PER_UNIT];
     f32x4 g[PER_UNIT][2];
     if (norm_warp) {
@@ -200,13 +198,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
                 }
             }
         }
-#pragma unroll
-        for (int s = 16; s > 0; s >>= 1) sq += __shfl_down_sync(FULL, sq, s);
-        if (lane == 0) sq_part[warp] = sq;
+        sq_part[warp][lane] = sq;
     }
     cluster_sync();
     if (norm_warp) {
-        const u32 at = smem_addr(sq_part + warp);
+        // Units i + 32c of the cluster's cube c, added by the strides 128, 64, 32, then 16 .. 1.
+        const u32 at = smem_addr(&sq_part[warp][lane]);
         float p[CL];
 #pragma unroll
         for (int c = 0; c < CL; ++c) p[c] = load_cluster(at, c);
@@ -215,7 +212,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
 #pragma unroll
             for (int c = 0; c < s; ++c) p[c] += p[c + s];
         }
-        const float inv = 1.0f / sqrtf(p[0] / info.dim + info.eps);
+        float sum = p[0];
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) sum += __shfl_down_sync(FULL, sum, s);
+        sum = __shfl_sync(FULL, sum, 0);
+        const float inv = 1.0f / sqrtf(sum / info.dim + info.eps);
 #pragma unroll
         for (int u = 0; u < PER_UNIT; ++u) {
             if (t + 256 * u < vecs) {
@@ -239,9 +240,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
         for (int q = 0; q < AR; ++q) acc[q] = 0.0f;
 #pragma unroll
         for (int l = 0; l < LV; ++l) {
-            const int c = lane + 32 * l;
-            if (c < cv) {
-                const u32x4 xv = ys[r][c];
+            if (32 * j + lane + 256 * l < vecs) {
+                const u32x4 xv = ys[r][lane + 32 * l];
 #pragma unroll
                 for (int q = 0; q < AR; ++q) {
 #pragma unroll
