@@ -76,6 +76,36 @@ for v in ${EXTRA:-}; do
     grep "| qwen" | awk -F'|' '{print $6, $8}')
   echo "extra $name (batch ${spec##*@}): ms/step, decode tokens/s = $r"
 done
+# STALLS="name:ENV=v,...@kernel-regex ...": one launch of that kernel at batch AB_BATCH under
+# ncu's full set (STALLS_SKIP launches of it skipped, 100): its totals and hottest SASS lines.
+for v in ${STALLS:-}; do
+  name=${v%%:*}; spec=${v#*:}; IFS=, read -ra ev <<< "${spec%@*}"
+  rm -f /tmp/st.ncu-rep
+  env "${ev[@]}" timeout -k 10 150 ncu --clock-control none --kernel-name "regex:${spec##*@}" \
+    --launch-skip ${STALLS_SKIP:-100} --launch-count 1 --set full --import-source no -f -o /tmp/st \
+    /tmp/qm/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 --batch ${AB_BATCH:-64} \
+    --prompt 256 --new-tokens 16 --no-check > /dev/null 2>&1
+  ncu --import /tmp/st.ncu-rep --page details --print-details all > "$OUT/st-$name.txt" 2>&1
+  ncu --import /tmp/st.ncu-rep --page source --csv --print-source sass > "$OUT/st-$name.csv" 2>&1
+  echo "== stalls $name (${spec})"
+  grep -E "Duration|Registers Per|Achieved Active Warps|Issued Warp Per|Warp Cycles Per Issued|L2 Cache Throughput|Memory Throughput|Stall [A-Z]" \
+    "$OUT/st-$name.txt" | sed 's/  */ /g' | sort -u | head -${STALLS_LINES:-30}
+  python3 - "$OUT/st-$name.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+hdr = next((i for i, r in enumerate(rows) if "Source" in r), None)
+if hdr is None:
+    print("no source table"); sys.exit()
+h = rows[hdr]; body = rows[hdr + 1:]
+key = next((c for c in h if c.startswith("Warp Stall Sampling (All")), None)
+if key is None: sys.exit()
+ki, si = h.index(key), h.index("Source")
+num = lambda v: float(v.replace(",", "") or 0)
+total = sum(num(r[ki]) for r in body if len(r) > ki) or 1
+for r in sorted((r for r in body if len(r) > ki), key=lambda r: -num(r[ki]))[:14]:
+    print(f"  {100 * num(r[ki]) / total:5.1f}%  {r[si][:90]}")
+PY
+done
 if [ -n "${PROFILE:-}" ]; then
   # shellcheck disable=SC2086 # the variants are words
   TOP=${TOP:-22} bash tools/device_step_profile.sh $PROFILE

@@ -40,6 +40,9 @@ struct Info {
 #define THREADS (WARPS * 32)
 #define NA (SEGMENTS * RANK)
 #define FULL 0xffffffffu
+// (row, vector) pairs of a cube, and a warp.
+#define PAIRS (RPC * PER_UNIT)
+#define PPW ((PAIRS + WARPS - 1) / WARPS)
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
@@ -168,32 +171,45 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
     }
 #endif
 
-    // The norm: warp r takes row row0 + r (rows past the end repeat the last, never stored).
-    const bool norm_warp = warp < RPC;
-    const int row = imin(row0 + warp, rows - 1);
-    const bool stores = norm_warp && row0 + warp < rows;
-    const int t = 32 * j + lane;  // the unfused kernel's unit
-    u32x4 e[PER_UNIT];
-    f32x4 g[PER_UNIT][2];
-    if (norm_warp) {
-        const size_t stride = (size_t)rows * vecs * 2;
+    // The norm. The cube's (row, vector) pairs are spread over all warps: pair p = (r, u) =
+    // (p % RPC, p / RPC) of warp p % WARPS, lane i the vector 32j + i + 256u of row row0 + r
+    // (rows past the end repeat the last one, never stored).
+    const size_t stride = (size_t)rows * vecs * 2;
+    u32x4 e[PPW];
+    f32x4 g[PPW][2];
 #pragma unroll
-        for (int u = 0; u < PER_UNIT; ++u) {
-            const int v = imin(t + 256 * u, vecs - 1);
-            e[u] = residual(h, d, parts, (size_t)row * vecs + v, stride);
-            g[u][0] = gain[2 * v];
-            g[u][1] = gain[2 * v + 1];
+    for (int q = 0; q < PPW; ++q) {
+        const int p = warp + WARPS * q, r = p % RPC, u = p / RPC;
+        const int v = imin(32 * j + lane + 256 * u, vecs - 1);
+        const int row = imin(row0 + r, rows - 1);
+        if (p < PAIRS) {
+            e[q] = residual(h, d, parts, (size_t)row * vecs + v, stride);
+            g[q][0] = gain[2 * v];
+            g[q][1] = gain[2 * v + 1];
         }
+    }
+#pragma unroll
+    for (int q = 0; q < PPW; ++q) {
+        const int p = warp + WARPS * q, r = p % RPC, u = p / RPC;
+        const int v = 32 * j + lane + 256 * u;
+        if (p < PAIRS && v < vecs) {
+#if ADD
+            if (row0 + r < rows) h[(size_t)(row0 + r) * vecs + v] = e[q];
+#endif
+            ys[r][lane + 32 * u] = e[q];
+        }
+    }
+    __syncthreads();
+    // Warp r: unit 32j + i's sum of squares of row r, over its vectors in order.
+    if (warp < RPC) {
         float sq = 0.0f;
 #pragma unroll
         for (int u = 0; u < PER_UNIT; ++u) {
-            if (t + 256 * u < vecs) {
-#if ADD
-                if (stores) h[(size_t)row * vecs + t + 256 * u] = e[u];
-#endif
+            if (32 * j + lane + 256 * u < vecs) {
+                const u32x4 ev = ys[warp][lane + 32 * u];
 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
-                    const float f = to_f32(elem(e[u], k));
+                    const float f = to_f32(elem(ev, k));
                     sq += f * f;
                 }
             }
@@ -201,32 +217,36 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
         sq_part[warp][lane] = sq;
     }
     cluster_sync();
-    if (norm_warp) {
-        // Units i + 32c of the cluster's cube c, added by the strides 128, 64, 32, then 16 .. 1.
-        const u32 at = smem_addr(&sq_part[warp][lane]);
-        float p[CL];
 #pragma unroll
-        for (int c = 0; c < CL; ++c) p[c] = load_cluster(at, c);
+    for (int q = 0; q < PPW; ++q) {
+        const int p = warp + WARPS * q, r = p % RPC, u = p / RPC;
+        const int v = 32 * j + lane + 256 * u;
+        if (p < PAIRS) {
+            // Units i + 32c of the cluster's cube c, added by the strides 128, 64, 32, then
+            // 16 .. 1: the row's sum of squares, the same in every warp and cube.
+            const u32 at = smem_addr(&sq_part[r][lane]);
+            float s8[CL];
 #pragma unroll
-        for (int s = CL / 2; s > 0; s >>= 1) {
+            for (int c = 0; c < CL; ++c) s8[c] = load_cluster(at, c);
 #pragma unroll
-            for (int c = 0; c < s; ++c) p[c] += p[c + s];
-        }
-        float sum = p[0];
+            for (int s = CL / 2; s > 0; s >>= 1) {
 #pragma unroll
-        for (int s = 16; s > 0; s >>= 1) sum += __shfl_down_sync(FULL, sum, s);
-        sum = __shfl_sync(FULL, sum, 0);
-        const float inv = 1.0f / sqrtf(sum / info.dim + info.eps);
+                for (int c = 0; c < s; ++c) s8[c] += s8[c + s];
+            }
+            float sum = s8[0];
 #pragma unroll
-        for (int u = 0; u < PER_UNIT; ++u) {
-            if (t + 256 * u < vecs) {
+            for (int s = 16; s > 0; s >>= 1) sum += __shfl_down_sync(FULL, sum, s);
+            sum = __shfl_sync(FULL, sum, 0);
+            const float inv = 1.0f / sqrtf(sum / info.dim + info.eps);
+            if (v < vecs) {
                 u32 o[8];
 #pragma unroll
                 for (int k = 0; k < 8; ++k)
-                    o[k] = of_f32(to_f32(elem(e[u], k)) * inv * comp(g[u][k / 4], k % 4));
+                    o[k] = of_f32(to_f32(elem(e[q], k)) * inv * comp(g[q][k / 4], k % 4));
                 const u32x4 ov = pack(o);
-                if (stores) y[(size_t)row * vecs + t + 256 * u] = ov;
-                ys[warp][lane + 32 * u] = ov;
+                if (row0 + r < rows) y[(size_t)(row0 + r) * vecs + v] = ov;
+                // In place of e (warp r read it before the cluster barrier).
+                ys[r][lane + 32 * u] = ov;
             }
         }
     }
