@@ -39,8 +39,9 @@ const UNITS: usize = 256;
 const VEC: usize = 8;
 /// Warps a cube.
 const WARPS: usize = 8;
-/// Most f32 K-slices of a split product the kernel adds.
-pub const MAX_SLICES: usize = 32;
+/// Most f32 K-slices of a split product the kernel adds (all of a vector's are loaded into
+/// registers at once).
+pub const MAX_SLICES: usize = 12;
 /// Most adapter vectors a lane holds in registers (`AR · LV`).
 const MAX_HELD: usize = 32;
 
@@ -302,8 +303,8 @@ mod tests {
     use super::*;
 
     /// The Qwen2.5 widths are taken with three adapters of rank 16 and 32 (and none), a
-    /// 32-deep split; ranks that would hold too many registers, or slices without an add, are
-    /// not.
+    /// 9-slice split; ranks that would hold too many registers, 13 slices, or slices without an
+    /// add, are not.
     #[test]
     fn plans_take_the_qwen_widths() {
         for dim in [896, 1536, 2048, 3584, 5120, 8192] {
@@ -318,6 +319,7 @@ mod tests {
         assert!(Plan::new(3584, 3, 16, (false, 2), false, 4).is_none());
         assert!(Plan::new(3588, 3, 16, (true, 0), false, 4).is_none());
         assert!(Plan::new(3584, 3, 16, (true, 0), false, 3).is_none());
+        assert!(Plan::new(3584, 3, 16, (true, MAX_SLICES + 1), false, 4).is_none());
     }
 
     /// The text names every define it uses.
