@@ -220,8 +220,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
     // (p % RPC, p / RPC) of warp p % WARPS, lane i the vector 32j + i + 256u of row row0 + r
     // (rows past the end repeat the last one, never stored).
     const size_t stride = (size_t)rows * vecs * 2;
-    Loaded l[PPW];
-    u32x4 e[PPW], yv[PPW];
+    u32x4 e[PPW];
     f32x4 g[PPW][2];
 #pragma unroll
     for (int q = 0; q < PPW; ++q) {
@@ -229,22 +228,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
         const int v = imin(32 * j + lane + 256 * u, vecs - 1);
         const int row = imin(row0 + r, rows - 1);
         if (p < PAIRS) {
-            load_residual(l[q], h, d, parts, (size_t)row * vecs + v, stride);
+            Loaded l;
+            load_residual(l, h, d, parts, (size_t)row * vecs + v, stride);
             g[q][0] = ld_f32x4(gain + 2 * v);
             g[q][1] = ld_f32x4(gain + 2 * v + 1);
+            e[q] = residual(l);
         }
     }
-    // Nothing below uses a load before this barrier, which ptxas does not schedule across:
-    // without it, it placed the K-slices' additions between their loads, and in-order issue
-    // held the later loads behind the earlier ones' round trips (10.9 us a launch, H200).
-    __syncthreads();
 #pragma unroll
     for (int q = 0; q < PPW; ++q) {
         const int p = warp + WARPS * q, r = p % RPC, u = p / RPC;
         const int v = 32 * j + lane + 256 * u;
-        if (p < PAIRS) {
-            e[q] = residual(l[q]);
-            if (v < vecs) ys[r][lane + 32 * u] = e[q];
+        if (p < PAIRS && v < vecs) {
+#if ADD
+            if (row0 + r < rows) h[(size_t)(row0 + r) * vecs + v] = e[q];
+#endif
+            ys[r][lane + 32 * u] = e[q];
         }
     }
     __syncthreads();
@@ -291,9 +290,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
 #pragma unroll
                 for (int k = 0; k < 8; ++k)
                     o[k] = of_f32(to_f32(elem(e[q], k)) * inv * comp(g[q][k / 4], k % 4));
-                yv[q] = pack(o);
+                const u32x4 ov = pack(o);
+                if (row0 + r < rows) y[(size_t)(row0 + r) * vecs + v] = ov;
                 // In place of e (warp r read it before the cluster barrier).
-                ys[r][lane + 32 * u] = yv[q];
+                ys[r][lane + 32 * u] = ov;
             }
         }
     }
@@ -344,22 +344,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CL, 1, 1)
         }
     }
 #endif
-    // The residual and the norm's output, stored only now: the release of each cluster
-    // barrier waits for the stores issued before it (a membar), which the cubes of the
-    // cluster would wait for in turn.
-#pragma unroll
-    for (int q = 0; q < PPW; ++q) {
-        const int p = warp + WARPS * q, r = p % RPC, u = p / RPC;
-        const int v = 32 * j + lane + 256 * u;
-        if (p < PAIRS && v < vecs && row0 + r < rows) {
-#if ADD
-            h[(size_t)(row0 + r) * vecs + v] = e[q];
-#endif
-            y[(size_t)(row0 + r) * vecs + v] = yv[q];
-        }
-    }
-    // No cube leaves while another may still read its shared memory. Every value read from
-    // another cube has been used (so its load completed): no memory order is needed here.
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
-                 "barrier.cluster.wait.aligned;" ::: "memory");
+    // No cube leaves while another may still read its shared memory.
+    cluster_sync();
 }
