@@ -10,7 +10,10 @@
 //! q/k/v and gate/up run inside the norm launches ([`crate::kernels::fused_lora`]), o's inside
 //! the attention's merge of its spans ([`crate::kernels::attention_combine`]) and down's inside
 //! SiLU·mul (both CUDA), and the down product's K-slices are added by the next norm
-//! ([`Residual::Parts`]). Past those rows, where the q/k/v and gate/up products split along K,
+//! ([`Residual::Parts`]). On CUDA with thread-block clusters, from 9 to 127 rows, the norms
+//! take the q/k/v and gate/up LoRA down-projections instead
+//! (`qerl_kernels::norm_cluster`, a row spread over a cluster's eight cubes). Past the few
+//! rows, where the q/k/v and gate/up products split along K,
 //! RoPE and SiLU·mul add their K-slices ([`crate::kernels::rope::rope_kv_parts`],
 //! [`crate::kernels::act::silu_mul_parts`]) and the norms add o's and down's, in place of four
 //! reduction launches. The products themselves are launched from [`crate::products`].
@@ -381,7 +384,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
 /// The add + RMSNorm before `layers` (which read its output `ws.xn`), with their LoRA
 /// down-projections into `ws.lora.t` in the same launch where every layer has an adapter of
 /// one rank and a fused kernel takes them: on CUDA with clusters, past a few rows,
-/// [`qerl_kernels::norm_cluster`] (the residual in place; also without adapters); at a few
+/// `qerl_kernels::norm_cluster` (the residual in place; also without adapters); at a few
 /// rows [`norm_lora`] (then the sum goes to the spare residual buffer and the two swap).
 /// Returns whether `ws.lora.t` is filled.
 #[allow(clippy::too_many_arguments)]

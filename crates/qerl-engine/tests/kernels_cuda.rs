@@ -976,5 +976,9 @@ fn cuda_norm_cluster_bf16() {
             }
         }
     }
-    assert_eq!(launches() - before, case, "norm_cluster: every case launched it");
+    assert_eq!(
+        launches() - before,
+        case,
+        "norm_cluster: every case launched it"
+    );
 }

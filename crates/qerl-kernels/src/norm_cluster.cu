@@ -106,9 +106,11 @@ __device__ __forceinline__ void cluster_sync() {
                  "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// Global loads as volatile asm: issued in program order, so that every load of a phase is in
-// flight before the first use of any (ptxas otherwise interleaved the K-slices' loads with
-// their additions, one round trip to L2 a slice: 11.1 us a launch at 64 rows, H200).
+// Global loads as volatile asm, which keeps them in program order. ptxas still places the
+// K-slices' additions between their loads, and in-order issue holds the later loads behind the
+// earlier ones' round trips (SASS and stall sampling, H200, 2026-11-29: about four round trips
+// a pair where one would do; a barrier between the loads and the additions measured no
+// faster).
 __device__ __forceinline__ f32x4 ld_f32x4(const f32x4* p) {
     f32x4 v;
     asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];"

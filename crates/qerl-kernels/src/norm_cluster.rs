@@ -11,7 +11,16 @@
 //! product, 129 KB): 9.2 µs a launch, latency-bound at 12% occupancy (ncu, H200, 2026-11-29),
 //! and the LoRA down-projections that read its output are a second launch of ~6 µs (56 of
 //! each a 7B step). Here a row is shared by the eight cubes of a cluster, which meet through
-//! distributed shared memory twice: for the sum of squares, and for `T`.
+//! distributed shared memory twice: for the sum of squares, and for `T`; a cluster takes 4 rows
+//! by default (the adapters' vectors are read once a cluster: 2 rows a cluster measured
+//! slower, 8 no faster).
+//!
+//! Measured (H200, 2026-11-29, 7B, batch 64): 10.9 µs a launch against 9.2 + 6.3 for the norm
+//! and the LoRA launch it replaces, a step 6.60-6.67 ms against 6.74-6.80. What binds it: the
+//! K-slices' loads, which ptxas interleaves with their additions (see the `.cu`), and the
+//! cluster barriers (a fifth of the stall samples). At one row (where the engine's own fused
+//! norm + LoRA kernel takes 1 to 8 rows) and at 256 it was slower (3.20-3.25 against
+//! 3.17-3.18 ms a step; 16.98 against 16.31), hence the rows it takes by default: 9 to 127.
 //!
 //! Arithmetic: the norm is the engine's unfused kernel's bit for bit. That kernel's unit `t`
 //! of 256 holds the vectors `t, t + 256, ...` and the units' sums meet in a tree with strides
@@ -19,8 +28,8 @@
 //! 512 contiguous bytes), the units' sums go through the cluster's shared memory, and every
 //! cube adds all 256 by the same tree. A first form gave cube `j` the units `t = j (mod 8)`,
 //! whose loads touched 32 cache lines a warp: 7.00 ms a batch-64 step against 6.77 unfused
-//! (H200, 2026-11-29). `T` is summed per lane in order, per warp by a shuffle tree and over the cubes in cube
-//! order: deterministic, and per row, so batch-invariant.
+//! (H200, 2026-11-29). `T` is summed per lane in order, per warp by a shuffle tree and over
+//! the cubes in cube order: deterministic, and per row, so batch-invariant.
 
 use crate::cuda_source;
 use cubecl::prelude::*;
@@ -229,8 +238,15 @@ pub fn add_norm_lora<R: Runtime, F: Float>(
     rows_per_cluster: Option<usize>,
 ) -> bool {
     let segments = a.len();
-    let Some(plan) = plan::<R, F>(client, rows, dim, segments, rank, add.mode(), rows_per_cluster)
-    else {
+    let Some(plan) = plan::<R, F>(
+        client,
+        rows,
+        dim,
+        segments,
+        rank,
+        add.mode(),
+        rows_per_cluster,
+    ) else {
         return false;
     };
     let Some(cuda) = crate::cublas::cuda_client(client) else {
