@@ -278,6 +278,7 @@ pub(crate) fn decode_word_to(
 
 /// The tuning knob `key` from the environment (experiments): its value where it parses and `ok`
 /// accepts it, else `default`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn env_knob(key: &str, ok: &dyn Fn(usize) -> bool, default: usize) -> usize {
     std::env::var(key)
         .ok()
@@ -287,6 +288,7 @@ pub(crate) fn env_knob(key: &str, ok: &dyn Fn(usize) -> bool, default: usize) ->
 }
 
 /// Whether the switch `key` is on: unset, or anything but `0` and `off`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn env_switch(key: &str) -> bool {
     std::env::var(key)
         .ok()
