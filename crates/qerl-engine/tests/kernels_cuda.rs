@@ -93,6 +93,31 @@ fn assert_close(what: &str, got: &[f64], want: &[f64], seed: u64) {
     );
 }
 
+/// A LoRA down-projection `t [rows, rank]` (f32, read back) against the f64 product of the
+/// kernel's own input `x [rows, width]` and the adapter `a [rank, width]`: every value written
+/// and a relative L2 error below 1e-5 (f32 sums of exact products of F values).
+fn assert_lora_t(what: &str, t: &[f64], x: &[f64], a: &[f64], rank: usize, seed: u64) {
+    let width = a.len() / rank;
+    let want: Vec<f64> = (0..t.len())
+        .map(|i| {
+            (0..width)
+                .map(|j| x[(i / rank) * width + j] * a[(i % rank) * width + j])
+                .sum()
+        })
+        .collect();
+    assert!(
+        t.iter().all(|v| v.is_finite()),
+        "{what}: unwritten T, seed {seed}"
+    );
+    let num: f64 = t.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    let rel = (num / den).sqrt();
+    assert!(
+        rel < 1e-5,
+        "{what}: T relative error {rel:.2e}, seed {seed}"
+    );
+}
+
 /// Rows as (slot, context): distinct slots, then a second row of slot 6 at half its context.
 const ROWS: [(u32, usize); 9] = [
     (3, 1),
@@ -235,26 +260,7 @@ fn check<F: Float + CubeElement>(c: &ComputeClient<R>, q_heads: usize, kv_heads:
                     assert!(did || splits != Some(2), "{lcase}: split but no projection");
                     if did {
                         let tv = read::<f32>(c, &t);
-                        let want_t: Vec<f64> = (0..m * rank)
-                            .map(|i| {
-                                (0..q_dim)
-                                    .map(|j| {
-                                        got[(i / rank) * q_dim + j] * a_d[(i % rank) * q_dim + j]
-                                    })
-                                    .sum()
-                            })
-                            .collect();
-                        assert!(
-                            tv.iter().all(|v| v.is_finite()),
-                            "{lcase}: unwritten T, seed {seed}"
-                        );
-                        let num: f64 = tv.iter().zip(&want_t).map(|(g, w)| (g - w).powi(2)).sum();
-                        let den: f64 = want_t.iter().map(|w| w * w).sum();
-                        let rel = (num / den).sqrt();
-                        assert!(
-                            rel < 1e-5,
-                            "{lcase}: T relative error {rel:.2e}, seed {seed}"
-                        );
+                        assert_lora_t(&lcase, &tv, &got, &a_d, rank, seed);
                     }
                 }
             }
@@ -701,24 +707,8 @@ fn cuda_fused_lora_bf16() {
             );
             let ts: Vec<Vec<f64>> = th.iter().map(|t| read::<f32>(&c, t)).collect();
             for (s, t) in ts.iter().enumerate() {
-                let want: Vec<f64> = (0..m * rank)
-                    .map(|i| {
-                        (0..dim)
-                            .map(|j| yv[(i / rank) * dim + j] * a[s][(i % rank) * dim + j].to_f64())
-                            .sum()
-                    })
-                    .collect();
-                assert!(
-                    t.iter().all(|v| v.is_finite()),
-                    "{what}: unwritten T, seed {seed}"
-                );
-                let num: f64 = t.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
-                let den: f64 = want.iter().map(|w| w * w).sum();
-                let rel = (num / den).sqrt();
-                assert!(
-                    rel < 1e-5,
-                    "{what} adapter {s}: T relative error {rel:.2e}, seed {seed}"
-                );
+                let a_s: Vec<f64> = a[s].iter().map(|v| v.to_f64()).collect();
+                assert_lora_t(&format!("{what} adapter {s}"), t, &yv, &a_s, rank, seed);
             }
             if m == 1 {
                 t_alone = ts;
@@ -782,24 +772,8 @@ fn cuda_silu_lora_bf16() {
                 "{what}: activation, seed {seed}"
             );
             let tv = read::<f32>(&c, &t);
-            let want: Vec<f64> = (0..m * rank)
-                .map(|i| {
-                    (0..width)
-                        .map(|j| ov[(i / rank) * width + j] * a[(i % rank) * width + j].to_f64())
-                        .sum()
-                })
-                .collect();
-            assert!(
-                tv.iter().all(|v| v.is_finite()),
-                "{what}: unwritten T, seed {seed}"
-            );
-            let num: f64 = tv.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
-            let den: f64 = want.iter().map(|w| w * w).sum();
-            let rel = (num / den).sqrt();
-            assert!(
-                rel < 1e-5,
-                "{what}: T relative error {rel:.2e}, seed {seed}"
-            );
+            let a_d: Vec<f64> = a.iter().map(|v| v.to_f64()).collect();
+            assert_lora_t(&what, &tv, &ov, &a_d, rank, seed);
             if m == 1 && round == 0 {
                 alone = tv[..rank].to_vec();
             } else {
@@ -942,26 +916,8 @@ fn cuda_norm_cluster_bf16() {
                 );
                 for (s, t) in th.iter().enumerate() {
                     let t = read::<f32>(&c, t);
-                    let want: Vec<f64> = (0..m * rank)
-                        .map(|i| {
-                            (0..dim)
-                                .map(|j| {
-                                    yv[(i / rank) * dim + j] * a[s][(i % rank) * dim + j].to_f64()
-                                })
-                                .sum()
-                        })
-                        .collect();
-                    assert!(
-                        t.iter().all(|v| v.is_finite()),
-                        "{what}: unwritten T, seed {seed}"
-                    );
-                    let num: f64 = t.iter().zip(&want).map(|(g, w)| (g - w).powi(2)).sum();
-                    let den: f64 = want.iter().map(|w| w * w).sum();
-                    let rel = (num / den).sqrt();
-                    assert!(
-                        rel < 1e-5,
-                        "{what} adapter {s}: T relative error {rel:.2e}, seed {seed}"
-                    );
+                    let a_s: Vec<f64> = a[s].iter().map(|v| v.to_f64()).collect();
+                    assert_lora_t(&format!("{what} adapter {s}"), &t, &yv, &a_s, rank, seed);
                     if pair && s == 0 {
                         match &row0_alone {
                             None => row0_alone = Some(t[..rank].to_vec()),

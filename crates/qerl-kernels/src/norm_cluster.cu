@@ -9,8 +9,9 @@
 // Vectors are 8 elements (16 bytes). The unfused kernel (the engine's `add_rms_norm`) gives a
 // row to 256 units, unit t holding the vectors t, t + 256, ..., summing their squares in order
 // and then adding the units' sums by a shared-memory tree with strides 128 .. 1. Here lane i of
-// cube j (in the row's warp) is unit t = 32j + i with the same vectors (each warp-wide load
-// 512 contiguous bytes). The units' sums are exchanged through the cluster's shared memory:
+// cube j is unit t = 32j + i with the same vectors (each warp-wide load 512 contiguous bytes;
+// the loads of a cube's rows and vectors are spread over all its warps, the unit's sum of
+// squares is made by the row's warp). The units' sums are exchanged through the cluster's shared memory:
 // every cube's lane i reads the sums of the units i, i + 32, ..., i + 224, adds them by the
 // tree's strides 128, 64, 32, and the warp's shuffle tree does the strides 16 .. 1: in every
 // cube the same sum, the unfused kernel's bit for bit, and so is the norm.
@@ -23,7 +24,7 @@
 //
 // The host prepends: WARPS, RPC (rows a cluster, <= WARPS), PER_UNIT (vectors a unit of the
 // unfused kernel holds), SEGMENTS (0 to 3), RANK, AR (adapter rows a warp), LV (vectors a lane
-// a adapter row), ADD, SLICES (0: a dense d), IS_F16.
+// an adapter row), ADD, SLICES (0: a dense d), IS_F16.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
