@@ -101,6 +101,7 @@ impl Workspace {
                 t: [0, 1, 2].map(|_| client.empty(rows * rank * 4)),
                 sums: client.empty(lora_down_scratch::<R, F>(client, s, rows).max(1) * 4),
                 counters: lora_counters.clone(),
+                fold_counters: client.create_from_slice(u32::as_bytes(&[0u32; 2])),
             },
             xf: buf(logit_rows * s.hidden),
             logits: client.empty(logit_rows * s.vocab * 4),

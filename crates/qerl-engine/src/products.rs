@@ -85,13 +85,15 @@ pub(crate) fn residual_product<R: Runtime, F: Float>(
 
 /// Where a layer's LoRA down-projections go: `t`, up to three `[rows, rank]` f32 outputs, and
 /// the scratch of the tensor-core kernel that adds its K-chunks across cubes (`sums`, and
-/// `counters`: a u32 a 16-row group, 0 between launches).
+/// `counters`: a u32 a 16-row group, 0 between launches), and of a product that computes its
+/// own (`fold_counters`: two u32, 0 between launches; [`gemm::matmul_folding_lora_down`]).
 #[derive(Debug)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct LoraOutputs {
     pub t: [Handle; 3],
     pub sums: Handle,
     pub counters: Handle,
+    pub fold_counters: Handle,
 }
 
 /// The LoRA down-projections `t[i] = x · A_iᵀ` of `layers` (those with an adapter): one launch
@@ -198,6 +200,14 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
     keep_parts: bool,
 ) -> Result<Option<gemm::SplitParts>, EngineError> {
     if !t_ready {
+        // One product with an adapter: its launch may compute `T` itself (one launch fewer).
+        if let [layer] = layers {
+            if let Some(outcome) =
+                folding_lora_down::<R, F>(client, x, m, layer, outputs[0], lora_t, keep_parts)?
+            {
+                return Ok(outcome);
+            }
+        }
         lora_downs::<R, F>(client, x, m, layers, lora_t)?;
     }
     let t = &lora_t.t;
@@ -240,6 +250,41 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
         }
     }
     Ok(None)
+}
+
+/// `layer`'s product with its LoRA down-projection computed inside the product's launch
+/// ([`gemm::matmul_folding_lora_down`]): `Some(parts or None)` where that ran, `None` where
+/// it does not apply (nothing launched).
+#[allow(clippy::too_many_arguments)]
+fn folding_lora_down<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    layer: &Linear,
+    y: &Handle,
+    lora_t: &LoraOutputs,
+    keep_parts: bool,
+) -> Result<Option<Option<gemm::SplitParts>>, EngineError> {
+    let (Frozen::Quant(wq), Some(a)) = (&layer.weight, &layer.lora) else {
+        return Ok(None);
+    };
+    let product = gemm::SegmentProduct {
+        weight: wq,
+        bias: layer.bias.as_ref(),
+        lora: Some(lora_epilogue(&lora_t.t[0], a)),
+        y,
+    };
+    let fold = gemm::LoraFold {
+        a: &a.a,
+        counters: &lora_t.fold_counters,
+    };
+    Ok(
+        match gemm::matmul_folding_lora_down::<R, F>(client, x, m, &product, &fold, keep_parts)? {
+            SegmentsOutcome::NotTaken => None,
+            SegmentsOutcome::Written => Some(None),
+            SegmentsOutcome::Parts(p) => Some(Some(p)),
+        },
+    )
 }
 
 /// A dense product: the tensor-core kernel for many rows where it applies, the engine's

@@ -671,6 +671,60 @@ pub fn matmul_segments_or_parts<R: Runtime, F: Float>(
     products: &[SegmentProduct<'_>],
     keep_parts: bool,
 ) -> Result<SegmentsOutcome, KernelError> {
+    segments_or_parts::<R, F>(client, x, m, products, keep_parts, None)
+}
+
+/// A LoRA down-projection not computed yet: the adapter's `A [r, K]` (in `F`) and two u32
+/// counters, zero before the first use, which the launch leaves at zero.
+pub struct LoraFold<'a> {
+    pub a: &'a Handle,
+    pub counters: &'a Handle,
+}
+
+/// [`matmul_segments_or_parts`] of one product with a LoRA adapter whose `T = X·Aᵀ` is not
+/// computed yet (`product.lora.t` is where it goes): where the product's launch can compute it
+/// itself (the warpgroup kernel: CUDA sm_90, rank 8, 16 or 32; `QERL_LORA_FOLD=0` turns it
+/// off), `T` is computed by extra cubes of that launch, beside the product's, which need it
+/// only in their epilogue: one launch fewer. Elsewhere returns
+/// [`SegmentsOutcome::NotTaken`] without launching anything, for the caller to compute `T`
+/// first.
+pub fn matmul_folding_lora_down<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    product: &SegmentProduct<'_>,
+    fold: &LoraFold<'_>,
+    keep_parts: bool,
+) -> Result<SegmentsOutcome, KernelError> {
+    let Some(lora) = &product.lora else {
+        return Ok(SegmentsOutcome::NotTaken);
+    };
+    check_buffer(
+        "matmul_folding_lora_down",
+        "LoRA A",
+        fold.a,
+        bytes_of::<F>(lora.rank * product.weight.k),
+    )?;
+    check_buffer("matmul_folding_lora_down", "counters", fold.counters, 8)?;
+    segments_or_parts::<R, F>(
+        client,
+        x,
+        m,
+        std::slice::from_ref(product),
+        keep_parts,
+        Some(fold),
+    )
+}
+
+/// [`matmul_segments_or_parts`]; with `fold` (one product), only where the launch computes `T`.
+fn segments_or_parts<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    m: usize,
+    products: &[SegmentProduct<'_>],
+    keep_parts: bool,
+    fold: Option<&LoraFold<'_>>,
+) -> Result<SegmentsOutcome, KernelError> {
     let Some(first) = products.first() else {
         return Ok(SegmentsOutcome::NotTaken);
     };
@@ -698,9 +752,12 @@ pub fn matmul_segments_or_parts<R: Runtime, F: Float>(
         let Some(plan) = plan else {
             return Ok(SegmentsOutcome::NotTaken);
         };
+        if fold.is_some() && !(products.len() == 1 && plan.folds(client, rank.unwrap_or(0))) {
+            return Ok(SegmentsOutcome::NotTaken);
+        }
         check_segments::<F>(x, m, k, products)?;
         let parts =
-            crate::gemm_mma::launch_segments::<R, F>(client, x, m, &segs, &plan, keep_parts);
+            crate::gemm_mma::launch_segments::<R, F>(client, x, m, &segs, &plan, keep_parts, fold);
         return Ok(match parts {
             Some((parts, splits)) => SegmentsOutcome::Parts(SplitParts { parts, splits }),
             None => SegmentsOutcome::Written,
@@ -708,7 +765,10 @@ pub fn matmul_segments_or_parts<R: Runtime, F: Float>(
     }
     // The decode kernel's segments: two or three (one product alone is `matmul`'s).
     let tc = tensor_cores::<R, F>(client, m, k);
-    if products.len() < 2 || !crate::gemv::segments_apply::<R, F>(client, m, &segs, tc) {
+    if fold.is_some()
+        || products.len() < 2
+        || !crate::gemv::segments_apply::<R, F>(client, m, &segs, tc)
+    {
         return Ok(SegmentsOutcome::NotTaken);
     }
     check_segments::<F>(x, m, k, products)?;

@@ -1024,6 +1024,7 @@ struct SegCase {
     rbias: Vec<f64>,
     ra: Vec<f64>,
     rb: Vec<f64>,
+    a: Handle,
     t: Handle,
     b: Handle,
     scale: f32,
@@ -1051,6 +1052,109 @@ fn seg_products<'a>(
             y,
         })
         .collect()
+}
+
+/// [`gemm::matmul_folding_lora_down`] of `seg` alone (no bias, LoRA of rank `rank`), written
+/// and then kept as K-slices, each into poisoned `T` and outputs, with the same two counters:
+/// where it runs, `T` within a relative L2 error of 1e-5 of the f64 product of the rounded
+/// `rx` and `A`, the output (the slices summed in slice order and rounded, where kept) within
+/// `tol` of the f64 reference, the kept slices equal to the written output bit for bit, and
+/// the counters back at 0. Returns the launches it
+/// made (0 where the fold does not apply: nothing may have run).
+#[allow(clippy::too_many_arguments)]
+fn folded_equals_reference<R: Runtime, F: Float + CubeElement>(
+    c: &ComputeClient<R>,
+    what: &str,
+    xh: &Handle,
+    rx: &[f64],
+    (m, k, rank): (usize, usize, usize),
+    seg: &SegCase,
+    tol: f64,
+    seed: u64,
+) -> usize {
+    let counters = c.create_from_slice(u32::as_bytes(&[0u32; 2]));
+    let want_t: Vec<f64> = (0..m * rank)
+        .map(|i| {
+            let (row, j) = (i / rank, i % rank);
+            (0..k).map(|q| rx[row * k + q] * seg.ra[j * k + q]).sum()
+        })
+        .collect();
+    let lref = LoraRef {
+        a: &seg.ra,
+        b: &seg.rb,
+        rank,
+        scale: seg.scale as f64,
+    };
+    let want_y = matmul_ref(rx, &seg.deq, m, seg.n, k, None, Some(&lref));
+    let mut folded_y: Option<Vec<f64>> = None;
+    let mut launches = 0;
+    for keep in [false, true] {
+        let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
+        let y = poisoned::<R, F>(c, m * seg.n);
+        let product = gemm::SegmentProduct {
+            weight: &seg.dw,
+            bias: None,
+            lora: Some(gemm::LoraEpilogue {
+                t: &t,
+                b: &seg.b,
+                rank,
+                scale: seg.scale,
+            }),
+            y: &y,
+        };
+        let fold = gemm::LoraFold {
+            a: &seg.a,
+            counters: &counters,
+        };
+        let outcome =
+            gemm::matmul_folding_lora_down::<R, F>(c, xh, m, &product, &fold, keep).unwrap();
+        let got = match outcome {
+            gemm::SegmentsOutcome::NotTaken => {
+                assert_eq!(launches, 0, "{what}: taken once, then not (seed {seed})");
+                return 0;
+            }
+            gemm::SegmentsOutcome::Written => read::<R, F>(c, &y),
+            gemm::SegmentsOutcome::Parts(sp) => {
+                let parts = f32::from_bytes(&c.read_one(sp.parts.clone()).unwrap()).to_vec();
+                let sums: Vec<f32> = (0..m * seg.n)
+                    .map(|i| (0..sp.splits).fold(0.0f32, |a, z| a + parts[z * m * seg.n + i]))
+                    .collect();
+                rounded::<F>(&sums)
+            }
+        };
+        launches += 1;
+        let what = format!("{what} (keep_parts={keep})");
+        let t_got: Vec<f64> = f32::from_bytes(&c.read_one(t.clone()).unwrap())
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        assert!(
+            t_got.iter().all(|v| v.is_finite()),
+            "{what}: T not all written (seed {seed})"
+        );
+        let err: f64 = t_got
+            .iter()
+            .zip(&want_t)
+            .map(|(a, b)| (a - b).powi(2))
+            .sum();
+        let norm: f64 = want_t.iter().map(|b| b * b).sum();
+        assert!(
+            err.sqrt() <= 1e-5 * norm.sqrt(),
+            "{what}: T relative L2 error {} (seed {seed})",
+            err.sqrt() / norm.sqrt()
+        );
+        assert_close(&what, &got, &want_y, tol, seed);
+        match &folded_y {
+            None => folded_y = Some(got),
+            Some(first) => assert!(
+                first.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: the kept slices summed differ from the folded written output (seed {seed})"
+            ),
+        }
+        let left = u32::from_bytes(&c.read_one(counters.clone()).unwrap()).to_vec();
+        assert_eq!(left, [0, 0], "{what}: counters not reset (seed {seed})");
+    }
+    launches
 }
 
 /// One segment of a segmented-product test: a random `n x k` weight of `format`, a bias, and a
@@ -1081,6 +1185,7 @@ fn seg_case<R: Runtime, F: Float + CubeElement>(
         rbias: rounded::<F>(&bias),
         ra: rounded::<F>(&a),
         rb: rounded::<F>(&b),
+        a: ah,
         t,
         b: upload::<R, F>(c, &b),
         scale: 0.5 + n as f32 / 1024.0,
@@ -1250,6 +1355,7 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
     let wg_before = gemm::mma_warpgroup_launches();
     let mut ran = 0;
     let mut kept = 0;
+    let mut folded = 0;
     for (format, m, widths, k) in cases {
         let x = normal(&mut rng, m * k, 1.0);
         let xh = upload::<R, F>(&c, &x);
@@ -1306,6 +1412,21 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
                         seed,
                     );
                     ran += 3;
+                    if lora {
+                        let what = format!("{what}, its LoRA down-projection folded in");
+                        let f = folded_equals_reference::<R, F>(
+                            &c,
+                            &what,
+                            &xh,
+                            &rx,
+                            (m, k, rank),
+                            &segs[0],
+                            tol,
+                            seed,
+                        );
+                        ran += f;
+                        folded += f;
+                    }
                 }
             }
         }
@@ -1314,6 +1435,13 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
         kept > 0,
         "matmul_segments_or_parts never kept the K-slices (seed {seed})"
     );
+    eprintln!("folded LoRA down-projections: {folded} launches");
+    if std::env::var("QERL_MMA_TEST_KERNEL").as_deref() == Ok("warpgroup") {
+        assert!(
+            folded > 0,
+            "the folded LoRA down-projection never ran (seed {seed})"
+        );
+    }
     assert_eq!(
         gemm::mma_segment_launches() - before,
         ran,

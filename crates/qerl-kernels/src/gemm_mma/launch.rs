@@ -459,7 +459,18 @@ impl Geometry {
             let seg = crate::cuda_source::SegmentArgs::new(weight, bias, (t, b, scale), y.clone());
             let out_f32 = O::as_type_native_unchecked() == f32::as_type_native_unchecked();
             let flags = (has_bias, has_lora, out_f32);
-            super::warpgroup::launch(client, x, m, k, weight.block(), self, &[seg], flags, rank);
+            super::warpgroup::launch(
+                client,
+                x,
+                m,
+                k,
+                weight.block(),
+                self,
+                &[seg],
+                flags,
+                rank,
+                None,
+            );
             return;
         }
         let count = CubeCount::Static(self.grid.0 as u32, self.grid.1 as u32, self.grid.2 as u32);

@@ -214,6 +214,25 @@ pub fn launches() -> usize {
 /// A segmented launch's geometry, planned by [`plan`] for the sum of the segments' `N`.
 pub(crate) struct SegmentPlan(Geometry);
 
+impl SegmentPlan {
+    /// Whether this launch of one product with a LoRA adapter of rank `rank` can compute the
+    /// adapter's down-projection itself ([`crate::gemm::LoraFold`]): on the warpgroup kernel
+    /// (CUDA sm_90) at the ranks it takes, unless `QERL_LORA_FOLD=0` (read once).
+    pub(crate) fn folds<R: Runtime>(&self, client: &ComputeClient<R>, rank: usize) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let on = *ON.get_or_init(|| std::env::var("QERL_LORA_FOLD").as_deref() != Ok("0"));
+            on && super::warpgroup::runs(client, &self.0) && super::warpgroup::fold_takes(rank)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (client, rank);
+            false
+        }
+    }
+}
+
 /// The plan of one segmented launch of `segs` at `m` rows, or `None` where it does not apply:
 /// switched off, not 1 to 3 segments (one: a single product that keeps its K-slices, which
 /// only this launch offers), not the staged kernel (bf16 with the spread decoding,
@@ -251,6 +270,8 @@ pub(crate) fn plan<R: Runtime, F: Float>(
 /// one staged kernel and, when split, one segmented reduction; or, split with `keep_parts`,
 /// returns the partial sums `[splits, M, ΣN]` (each segment's columns after the previous ones',
 /// the LoRA term in slice 0, the biases not added) and their count instead, no `y` written.
+/// With `fold` (where [`SegmentPlan::folds`]), the one segment's LoRA `T` is computed in the
+/// launch.
 pub(crate) fn launch<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -258,17 +279,18 @@ pub(crate) fn launch<R: Runtime, F: Float>(
     segs: &[Segment<'_>],
     plan: &SegmentPlan,
     keep_parts: bool,
+    fold: Option<&crate::gemm::LoraFold<'_>>,
 ) -> Option<(Handle, usize)> {
     let g = &plan.0;
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
     let splits = g.grid.2;
     if splits == 1 {
-        run::<R, F, F>(client, x, m, segs, g, None);
+        run::<R, F, F>(client, x, m, segs, g, None, fold);
         return None;
     }
     let n: usize = segs.iter().map(|s| s.weight.n).sum();
     let part = splitk::workspace(client, splits, m, n);
-    run::<R, F, f32>(client, x, m, segs, g, Some(&part));
+    run::<R, F, f32>(client, x, m, segs, g, Some(&part), fold);
     if keep_parts {
         return Some((part, splits));
     }
@@ -294,7 +316,8 @@ pub(crate) fn launch<R: Runtime, F: Float>(
 }
 
 /// The kernel launch: into each segment's `y` (`O = F`), or with `part` into that workspace
-/// `[splits, M, N]` for every segment (`O = f32`, the bias left to the reduction).
+/// `[splits, M, N]` for every segment (`O = f32`, the bias left to the reduction); `fold` only
+/// on the warpgroup kernel.
 fn run<R: Runtime, F: Float, O: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
@@ -302,6 +325,7 @@ fn run<R: Runtime, F: Float, O: Float>(
     segs: &[Segment<'_>],
     g: &Geometry,
     part: Option<&Handle>,
+    fold: Option<&crate::gemm::LoraFold<'_>>,
 ) {
     let w = segs[0].weight;
     let k = w.k;
@@ -358,9 +382,13 @@ fn run<R: Runtime, F: Float, O: Float>(
             .collect();
         let out_f32 = part.is_some();
         let flags = (has_bias, has_lora, out_f32);
-        super::warpgroup::launch(client, x, m, k, w.block(), g, &wsegs, flags, rank);
+        super::warpgroup::launch(client, x, m, k, w.block(), g, &wsegs, flags, rank, fold);
         return;
     }
+    assert!(
+        fold.is_none(),
+        "a LoRA fold on a kernel other than the warpgroup one"
+    );
     let (a0, a1, a2) = (args(0), args(1), args(2));
     let count = CubeCount::Static(g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32);
     // SAFETY: as above; `X` is read as 16-byte vectors (K is a multiple of 64).

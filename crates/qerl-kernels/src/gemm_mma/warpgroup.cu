@@ -16,7 +16,18 @@
 //   WARPS (4 or 8), M_TILES (1..8: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
 //   DEPTH (chunks of codes in flight, 1..4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
 //   SEGMENTS (1..3), MIN_CUBES (cubes a multiprocessor must hold: caps the registers), LBO,
-//   SBO (descriptor strides), and `wgmma_step` for this N in place of the marker below.
+//   SBO (descriptor strides), FOLD_NT (0, or the LoRA rank / 8 of a single segment whose `T`
+//   this launch computes itself, see "The folded down-projection" below), and `wgmma_step`
+//   for this N in place of the marker below.
+//
+// The folded down-projection (FOLD_NT > 0, one segment with LoRA): `T = X * A^T` is not
+// computed by a launch before this one; the grid is one-dimensional, its first `fold_cubes`
+// cubes (one a 16-token group, dispatched first) compute `T` (K cut over their warps in a
+// fixed order, the warps' sums added in warp order: deterministic and batch-invariant), store
+// it and count themselves in `fold_counters[0]`; the product's cubes, which need `T` only in
+// slice 0's epilogue, wait there for that count, so the down-projection runs beside the
+// product instead of as a launch of its own. The last of slice 0's cubes to read `T` resets
+// both counters to 0 for the next launch.
 //
 // Shared memory: `X` of one chunk (N tokens x 64) as 8x8 core matrices (128 bytes: 8 tokens x
 // 8 values), core `((nb*4 + s)*2 + kh)` holding tokens `8nb..8nb+8` at the logical columns
@@ -28,11 +39,14 @@ typedef unsigned short u16;
 typedef unsigned long long u64;
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 struct __align__(8) u32x2 { u32 x, y; };
+struct f32x2 { float x, y; };
 
 // Scalars, packed by warpgroup.rs in this order (u32 then f32, little-endian).
 struct Info {
     u32 m_rows, n0, n1, n2, n_total, cubes0, cubes1, k_dim, split_chunks, rank;
     float scale0, scale1, scale2;
+    // The folded down-projection's cubes, and the product grid's x and y (FOLD_NT > 0).
+    u32 fold_cubes, grid_x, grid_y;
 };
 
 #if OUT_F32
@@ -48,6 +62,19 @@ typedef u16 out_t;
 #define BUF_WORDS (N_TOK * 32)
 #define WIDTH (WARPS * 16)
 #define TWO_POW_63 9.223372036854775808e18f
+#define FOLD (FOLD_NT > 0)
+#if FOLD
+// The folded down-projection: T's columns, a cube's f32 sums (16 tokens), its steps in flight.
+#define FOLD_COLS (FOLD_NT * 8)
+#define FOLD_TILE (16 * FOLD_COLS)
+#define FOLD_DEPTH (FOLD_NT <= 2 ? 4 : 2)
+#define XS_WORDS (2 * BUF_WORDS > WARPS * FOLD_TILE ? 2 * BUF_WORDS : WARPS * FOLD_TILE)
+// T is written by this launch's own cubes: no read-only path for it.
+#define T_RESTRICT
+#else
+#define XS_WORDS (2 * BUF_WORDS)
+#define T_RESTRICT __restrict__
+#endif
 
 // No header is included: NVRTC compiles this text as it is.
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
@@ -115,27 +142,134 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+#if FOLD
+struct __align__(16) f32x4 { float x, y, z, w; };
+
+// Two f32 of T, written by this launch's fold cubes: from L2 (after the acquire below).
+__device__ __forceinline__ f32x2 load_t2(const float* p) {
+    f32x2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ u32 load_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// One fold cube: T[row0 .. row0 + 16, FOLD_COLS] = X * A^T for the 16-token group `group`,
+// as lora_down_mma.cu computes one group in one cube: lane (g, t) loads 16 bytes at
+// k = 8t .. 8t + 8 of each 32-deep step from X's rows g and g + 8 and from the adapter rows
+// 8j + g (the same places in X and A: only the order of the sum over k changes); warp w takes
+// the steps w * per .. (w + 1) * per; the warps' sums meet in `red` in warp order.
+__device__ __forceinline__ void fold_lora_down(const u32x4* x, const u32x4* a, float* tout,
+                                               float* red, u32* counters, int group, int m,
+                                               int k_dim) {
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int kv = k_dim / 8, k_steps = k_dim / 32, row0 = group * 16;
+    const u32x4* xg = x + (long)imin(row0 + g, m - 1) * kv + t;
+    const u32x4* xh = x + (long)imin(row0 + g + 8, m - 1) * kv + t;
+    const u32x4* ap[FOLD_NT];
+#pragma unroll
+    for (int j = 0; j < FOLD_NT; ++j) ap[j] = a + (long)(8 * j + g) * kv + t;
+    float acc[FOLD_NT * 4];
+#pragma unroll
+    for (int i = 0; i < FOLD_NT * 4; ++i) acc[i] = 0.0f;
+    const int per = (k_steps + WARPS - 1) / WARPS;
+    const int first = warp * per, end = imin(first + per, k_steps);
+#pragma unroll 1
+    for (int s0 = first; s0 < end; s0 += FOLD_DEPTH) {
+        u32x4 xa[FOLD_DEPTH], xb[FOLD_DEPTH], w[FOLD_DEPTH][FOLD_NT];
+        // Steps past the end load the last one (in bounds) and are not used.
+#pragma unroll
+        for (int d = 0; d < FOLD_DEPTH; ++d) {
+            const int at = imin(s0 + d, k_steps - 1) * 4;
+            xa[d] = xg[at];
+            xb[d] = xh[at];
+#pragma unroll
+            for (int j = 0; j < FOLD_NT; ++j) w[d][j] = ap[j][at];
+        }
+#pragma unroll
+        for (int d = 0; d < FOLD_DEPTH; ++d) {
+            if (s0 + d < end) {
+#pragma unroll
+                for (int j = 0; j < FOLD_NT; ++j) {
+                    const u32 a0[4] = {xa[d].x, xb[d].x, xa[d].y, xb[d].y};
+                    const u32 a1[4] = {xa[d].z, xb[d].z, xa[d].w, xb[d].w};
+                    mma_16816(acc + 4 * j, a0, w[d][j].x, w[d][j].y);
+                    mma_16816(acc + 4 * j, a1, w[d][j].z, w[d][j].w);
+                }
+            }
+        }
+    }
+    // Accumulator (j, i): row g + 8 (i / 2), column 8j + 2t + i % 2.
+#pragma unroll
+    for (int j = 0; j < FOLD_NT; ++j) {
+        float* r = red + warp * FOLD_TILE + 8 * j + 2 * t;
+        r[g * FOLD_COLS] = acc[4 * j];
+        r[g * FOLD_COLS + 1] = acc[4 * j + 1];
+        r[(g + 8) * FOLD_COLS] = acc[4 * j + 2];
+        r[(g + 8) * FOLD_COLS + 1] = acc[4 * j + 3];
+    }
+    __syncthreads();
+    for (int e = 4 * tid; e < FOLD_TILE; e += 4 * THREADS) {
+        f32x4 v = *(const f32x4*)(red + e);
+#pragma unroll
+        for (int w2 = 1; w2 < WARPS; ++w2) {
+            const f32x4 u = *(const f32x4*)(red + w2 * FOLD_TILE + e);
+            v.x += u.x;
+            v.y += u.y;
+            v.z += u.z;
+            v.w += u.w;
+        }
+        const int row = row0 + e / FOLD_COLS;
+        if (row < m) *(f32x4*)(tout + (long)row * FOLD_COLS + e % FOLD_COLS) = v;
+    }
+    // Every store visible GPU-wide before the cube is counted.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicAdd(counters, 1u);
+}
+#endif
+
 // @wgmma_step@
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a16(
     const u32x4* __restrict__ x,
     const u32x2* __restrict__ codes0, const u32* __restrict__ scale_bytes0,
     const float* __restrict__ scale_table0, const u16* __restrict__ bias0,
-    const float* __restrict__ lora_t0, const u32* __restrict__ lora_b0, out_t* y0,
+    const float* T_RESTRICT lora_t0, const u32* __restrict__ lora_b0, out_t* y0,
     const u32x2* __restrict__ codes1, const u32* __restrict__ scale_bytes1,
     const float* __restrict__ scale_table1, const u16* __restrict__ bias1,
-    const float* __restrict__ lora_t1, const u32* __restrict__ lora_b1, out_t* y1,
+    const float* T_RESTRICT lora_t1, const u32* __restrict__ lora_b1, out_t* y1,
     const u32x2* __restrict__ codes2, const u32* __restrict__ scale_bytes2,
     const float* __restrict__ scale_table2, const u16* __restrict__ bias2,
-    const float* __restrict__ lora_t2, const u32* __restrict__ lora_b2, out_t* y2,
-    const Info info) {
+    const float* T_RESTRICT lora_t2, const u32* __restrict__ lora_b2, out_t* y2,
+    const u32x4* __restrict__ fold_a, u32* fold_counters, const Info info) {
     __shared__ float stab[256];
-    __shared__ __align__(128) u32 xs[2 * BUF_WORDS];
+    __shared__ __align__(128) u32 xs[XS_WORDS];
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int cube_n = M_MAJOR ? blockIdx.y : blockIdx.x;
-    const int cube_m = M_MAJOR ? blockIdx.x : blockIdx.y;
+#if FOLD
+    // A one-dimensional grid: the fold cubes first, then the product's (x fastest).
+    const int lin = (int)blockIdx.x - (int)info.fold_cubes;
+    if (lin < 0) {
+        fold_lora_down(x, fold_a, (float*)lora_t0, (float*)xs, fold_counters, blockIdx.x,
+                       (int)info.m_rows, (int)info.k_dim);
+        return;
+    }
+    const int grid_xy = (int)(info.grid_x * info.grid_y);
+    const int block_x = lin % (int)info.grid_x;
+    const int block_y = (lin / (int)info.grid_x) % (int)info.grid_y;
+    const int block_z = lin / grid_xy;
+#else
+    const int block_x = blockIdx.x, block_y = blockIdx.y, block_z = blockIdx.z;
+#endif
+    const int cube_n = M_MAJOR ? block_y : block_x;
+    const int cube_m = M_MAJOR ? block_x : block_y;
 
     // This cube's segment (uniform per cube: every segment's N is a multiple of WIDTH).
     const u32x2* codes = codes0;
@@ -167,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     int y_stride = n_cols;
 #if SPLIT
     {
-        const int z = blockIdx.z;
+        const int z = block_z;
         c0 = imin(z * (int)info.split_chunks, chunks);
         c1 = imin(c0 + (int)info.split_chunks, chunks);
         y_stride = info.n_total;
@@ -320,7 +454,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
 
 #if HAS_LORA
     // acc += (s*T)[M, r] * B[N, r]^T: 16-deep steps with B's rows as the A operand (slice 0).
-    if (!SPLIT || blockIdx.z == 0) {
+    if (!SPLIT || block_z == 0) {
+#if FOLD
+        // T from the fold cubes: wait for all of them (they were dispatched first and wait on
+        // nothing, and this comes after the whole K loop: in practice no wait at all).
+        while (load_acquire(fold_counters) < info.fold_cubes) {
+        }
+#endif
         for (int rc = 0; rc < (rank + 15) / 16; ++rc) {
             u32 af[4];
 #pragma unroll
@@ -340,12 +480,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
                     bf[q] = 0u;
                     if (m < m_rows && col < rank) {
                         const float* tr = lora_t + (long)m * rank + col;
-                        bf[q] = pack_bf16x2(tr[0] * lora_scale, tr[1] * lora_scale);
+#if FOLD
+                        const f32x2 tv = load_t2(tr);
+#else
+                        const f32x2 tv = {tr[0], tr[1]};
+#endif
+                        bf[q] = pack_bf16x2(tv.x * lora_scale, tv.y * lora_scale);
                     }
                 }
                 mma_16816(acc + 4 * mt, af, bf[0], bf[1]);
             }
         }
+#if FOLD
+        // The last of slice 0's cubes to have read T resets the counters for the next launch.
+        __syncthreads();
+        if (tid == 0) {
+            const u32 readers = info.grid_x * info.grid_y;
+            if (atomicAdd(fold_counters + 1, 1u) == readers - 1) {
+                atomicExch(fold_counters, 0u);
+                atomicExch(fold_counters + 1, 0u);
+            }
+        }
+#endif
     }
 #endif
 

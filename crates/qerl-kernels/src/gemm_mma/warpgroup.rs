@@ -61,6 +61,9 @@ pub(crate) struct Config {
     pub m_major: bool,
     pub out_f32: bool,
     pub segments: usize,
+    /// 0, or the LoRA rank / 8 of the one segment whose down-projection the launch folds in
+    /// ([`crate::gemm::LoraFold`]).
+    pub fold_nt: usize,
 }
 
 impl Config {
@@ -87,6 +90,7 @@ impl Config {
             ("MIN_CUBES", min_cubes),
             ("LBO", lbo),
             ("SBO", sbo),
+            ("FOLD_NT", self.fold_nt),
         ]);
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
@@ -122,11 +126,16 @@ fn wgmma_step(n: usize) -> String {
     )
 }
 
+/// The LoRA ranks a folded down-projection takes (a multiple of 8, its loads in registers).
+pub(crate) fn fold_takes(rank: usize) -> bool {
+    matches!(rank, 8 | 16 | 32)
+}
+
 /// Launches the kernel for `g` (the staged kernel's tiles, grid and split) over 1 to 3
 /// segments, into f32 partial sums when `out_f32`, else bf16 outputs; `has_bias`, `has_lora`
-/// as the staged kernel's flags. The caller checked
-/// [`available`], the buffers, and that every segment's `N` but the last is a multiple of the
-/// cube's `16 · warps` rows.
+/// as the staged kernel's flags; with `fold`, one segment with LoRA of a rank [`fold_takes`],
+/// whose `T` the launch computes first. The caller checked [`available`], the buffers, and
+/// that every segment's `N` but the last is a multiple of the cube's `16 · warps` rows.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch<R: Runtime>(
     client: &ComputeClient<R>,
@@ -138,6 +147,7 @@ pub(crate) fn launch<R: Runtime>(
     segs: &[SegmentArgs],
     (has_bias, has_lora, out_f32): (bool, bool, bool),
     rank: usize,
+    fold: Option<&crate::gemm::LoraFold<'_>>,
 ) {
     super::WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let Some(client) = crate::cublas::cuda_client(client) else {
@@ -154,13 +164,24 @@ pub(crate) fn launch<R: Runtime>(
         m_major: g.m_major,
         out_f32,
         segments: segs.len(),
+        fold_nt: if fold.is_some() { rank / 8 } else { 0 },
     };
+    debug_assert!(fold.is_none() || (segs.len() == 1 && has_lora && fold_takes(rank)));
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
     let n_total: usize = segs.iter().map(|s| s.n).sum();
     let (cubes0, cubes1) = cuda_source::segment_starts(segs, 16 * g.warps);
-    let buffers = cuda_source::segment_bindings(x, segs);
-    // `Info` of warpgroup.cu: ten u32, then three f32.
-    let words32: [u32; 13] = [
+    let mut buffers = cuda_source::segment_bindings(x, segs);
+    let (fold_a, fold_counters) = fold.map_or((x, x), |f| (f.a, f.counters));
+    buffers.push(fold_a.clone().binding());
+    buffers.push(fold_counters.clone().binding());
+    // With a fold, one dimension: its cubes (one a 16-token group) first, then the product's.
+    let fold_cubes = if fold.is_some() { m.div_ceil(16) } else { 0 };
+    let grid = match fold {
+        Some(_) => ((fold_cubes + g.grid.0 * g.grid.1 * g.grid.2) as u32, 1, 1),
+        None => (g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32),
+    };
+    // `Info` of warpgroup.cu: ten u32, three f32, three u32.
+    let words32: [u32; 16] = [
         m as u32,
         seg(0).n as u32,
         seg(1).n as u32,
@@ -174,17 +195,21 @@ pub(crate) fn launch<R: Runtime>(
         seg(0).lora_scale.to_bits(),
         seg(1).lora_scale.to_bits(),
         seg(2).lora_scale.to_bits(),
+        fold_cubes as u32,
+        g.grid.0 as u32,
+        g.grid.1 as u32,
     ];
     // SAFETY: the kernel bounds rows by each segment's N, tokens by M, chunks by K / 64 and
     // LoRA columns by the rank; every buffer is the size the staged kernel takes (checked by
-    // the caller), and the scalars are `Info`'s layout.
+    // the caller; a fold's `A` is `[rank, K]` and its counters two u32), and the scalars are
+    // `Info`'s layout.
     unsafe {
         cuda_source::launch(
             client,
             cuda_source::cached(&SOURCES, &config, ENTRY, || config.source()),
             ENTRY,
             (32 * g.warps) as u32,
-            (g.grid.0 as u32, g.grid.1 as u32, g.grid.2 as u32),
+            grid,
             buffers,
             &words32,
         )
@@ -210,6 +235,7 @@ mod tests {
             m_major: false,
             out_f32: true,
             segments: 2,
+            fold_nt: 0,
         };
         let s = c.source();
         for d in [
@@ -224,6 +250,7 @@ mod tests {
             "MIN_CUBES 2",
             "LBO 128",
             "SBO 1024",
+            "FOLD_NT 0",
         ] {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }
