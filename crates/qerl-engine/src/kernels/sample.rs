@@ -23,11 +23,8 @@ fn lse_rescaled(m1: f32, s1: f32, m2: f32, s2: f32, m: f32) -> f32 {
     s1 * f32::exp(m1 - m) + s2 * f32::exp(m2 - m)
 }
 
-/// Vocabulary entries one unit of [`partial_kernel`] scans.
-const UNIT_ENTRIES: usize = 8;
-
-/// Vocabulary entries one cube of [`partial_kernel`] scans.
-pub const CHUNK: usize = ROW_CUBE as usize * UNIT_ENTRIES;
+/// Vocabulary entries one cube of [`partial_kernel`] scans (eight per unit).
+pub const CHUNK: usize = ROW_CUBE as usize * 8;
 
 /// The best key (and its id) and the log-sum-exp `(m, s)` of this unit's values, reduced over
 /// the cube in shared memory; unit 0 ends with the cube's.
@@ -255,40 +252,28 @@ fn partial_kernel(
             keep_at = thresh[i * 2];
             keep_above = thresh[i * 2 + 1];
         }
-        // The unit's entries c * CHUNK + j * ROW_CUBE + t, all loaded at once (the loop is
-        // unrolled): first their maximum, then the log-sum-exp from it (one exp an entry) and
-        // the keys, in increasing id (ties keep the lowest).
-        let first = c * CHUNK + t;
-        #[unroll]
-        for j in 0..UNIT_ENTRIES {
-            let v = first + j * ROW_CUBE as usize;
-            if v < end {
-                m = max(m, logits[i * vocab + v] * inv_temperature);
+        let mut v = c * CHUNK + t;
+        while v < end {
+            let x = logits[i * vocab + v] * inv_temperature;
+            let m_new = max(m, x);
+            s = lse_rescaled(m, s, x, 1.0f32, m_new);
+            m = m_new;
+            let mut k = x;
+            if !greedy {
+                let h = hash4(seed, req, gen, v as u32, 7u32);
+                let u = (f32::cast_from(h >> 8) + 0.5f32) * (1.0f32 / 16_777_216.0f32);
+                k = x - f32::ln(-f32::ln(u));
             }
-        }
-        #[unroll]
-        for j in 0..UNIT_ENTRIES {
-            let v = first + j * ROW_CUBE as usize;
-            if v < end {
-                let x = logits[i * vocab + v] * inv_temperature;
-                s += f32::exp(x - m);
-                let mut k = x;
-                if !greedy {
-                    let h = hash4(seed, req, gen, v as u32, 7u32);
-                    let u = (f32::cast_from(h >> 8) + 0.5f32) * (1.0f32 / 16_777_216.0f32);
-                    k = x - f32::ln(-f32::ln(u));
-                }
-                // Truncated tokens can never win (the log-sum-exp above still counts them:
-                // the log-probability is the untruncated tempered one, as the training
-                // forward's).
-                if truncated && (x < keep_at || x <= keep_above) {
-                    k = f32::new(-3.0e38);
-                }
-                if k > key {
-                    key = k;
-                    id = v as u32;
-                }
+            // Truncated tokens can never win (the log-sum-exp above still counts them: the
+            // log-probability is the untruncated tempered one, as the training forward's).
+            if truncated && (x < keep_at || x <= keep_above) {
+                k = f32::new(-3.0e38);
             }
+            if k > key {
+                key = k;
+                id = v as u32;
+            }
+            v += ROW_CUBE as usize;
         }
         reduce_cube(
             &mut best_key,
