@@ -410,7 +410,15 @@ fn norm<'a, R: Runtime, F: Float>(
             Residual::Dense(h) => Add::Dense(h),
             Residual::Parts(p, slices) => Add::Parts(p, slices),
         };
-        let a: Vec<&Handle> = adapters.iter().map(|a| &a.a).collect();
+        // Unless the products after it compute their own (`QERL_NORM_CLUSTER_LORA=0`, read
+        // once, for A/B timing): then the norm alone.
+        static WITH_LORA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let with_lora = *WITH_LORA
+            .get_or_init(|| std::env::var("QERL_NORM_CLUSTER_LORA").as_deref() != Ok("0"));
+        let a: Vec<&Handle> = match with_lora {
+            true => adapters.iter().map(|a| &a.a).collect(),
+            false => Vec::new(),
+        };
         let t: Vec<&Handle> = ws.lora.t.iter().take(a.len()).collect();
         let h: &Handle = res;
         if add_norm_lora::<R, F>(

@@ -200,13 +200,10 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
     keep_parts: bool,
 ) -> Result<Option<gemm::SplitParts>, EngineError> {
     if !t_ready {
-        // One product with an adapter: its launch may compute `T` itself (one launch fewer).
-        if let [layer] = layers {
-            if let Some(outcome) =
-                folding_lora_down::<R, F>(client, x, m, layer, outputs[0], lora_t, keep_parts)?
-            {
-                return Ok(outcome);
-            }
+        // The products' launch may compute their `T` itself (one launch fewer).
+        let folded = folding_lora_down::<R, F>(client, x, m, layers, outputs, lora_t, keep_parts)?;
+        if let Some(outcome) = folded {
+            return Ok(outcome);
         }
         lora_downs::<R, F>(client, x, m, layers, lora_t)?;
     }
@@ -252,39 +249,44 @@ pub(crate) fn linears_or_parts<R: Runtime, F: Float>(
     Ok(None)
 }
 
-/// `layer`'s product with its LoRA down-projection computed inside the product's launch
-/// ([`gemm::matmul_folding_lora_down`]): `Some(parts or None)` where that ran, `None` where
-/// it does not apply (nothing launched).
+/// `layers`' products (sharing `x`) with their LoRA down-projections computed inside the
+/// products' launch ([`gemm::matmul_folding_lora_down`]): `Some(parts or None)` where that
+/// ran, `None` where it does not apply (nothing launched).
 #[allow(clippy::too_many_arguments)]
 fn folding_lora_down<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
     m: usize,
-    layer: &Linear,
-    y: &Handle,
+    layers: &[&Linear],
+    outputs: &[&Handle],
     lora_t: &LoraOutputs,
     keep_parts: bool,
 ) -> Result<Option<Option<gemm::SplitParts>>, EngineError> {
-    let (Frozen::Quant(wq), Some(a)) = (&layer.weight, &layer.lora) else {
-        return Ok(None);
-    };
-    let product = gemm::SegmentProduct {
-        weight: wq,
-        bias: layer.bias.as_ref(),
-        lora: Some(lora_epilogue(&lora_t.t[0], a)),
-        y,
-    };
+    let mut products = Vec::with_capacity(layers.len());
+    let mut a = Vec::with_capacity(layers.len());
+    for ((l, y), t) in layers.iter().zip(outputs).zip(&lora_t.t) {
+        let (Frozen::Quant(wq), Some(lora)) = (&l.weight, &l.lora) else {
+            return Ok(None);
+        };
+        products.push(gemm::SegmentProduct {
+            weight: wq,
+            bias: l.bias.as_ref(),
+            lora: Some(lora_epilogue(t, lora)),
+            y,
+        });
+        a.push(&lora.a);
+    }
     let fold = gemm::LoraFold {
-        a: &a.a,
+        a: &a,
         counters: &lora_t.fold_counters,
     };
-    Ok(
-        match gemm::matmul_folding_lora_down::<R, F>(client, x, m, &product, &fold, keep_parts)? {
-            SegmentsOutcome::NotTaken => None,
-            SegmentsOutcome::Written => Some(None),
-            SegmentsOutcome::Parts(p) => Some(Some(p)),
-        },
-    )
+    let outcome =
+        gemm::matmul_folding_lora_down::<R, F>(client, x, m, &products, &fold, keep_parts)?;
+    Ok(match outcome {
+        SegmentsOutcome::NotTaken => None,
+        SegmentsOutcome::Written => Some(None),
+        SegmentsOutcome::Parts(p) => Some(Some(p)),
+    })
 }
 
 /// A dense product: the tensor-core kernel for many rows where it applies, the engine's

@@ -674,46 +674,40 @@ pub fn matmul_segments_or_parts<R: Runtime, F: Float>(
     segments_or_parts::<R, F>(client, x, m, products, keep_parts, None)
 }
 
-/// A LoRA down-projection not computed yet: the adapter's `A [r, K]` (in `F`) and two u32
-/// counters, zero before the first use, which the launch leaves at zero.
+/// LoRA down-projections not computed yet: each product's adapter `A [r, K]` (in `F`), and
+/// two u32 counters, zero before the first use, which the launch leaves at zero.
 pub struct LoraFold<'a> {
-    pub a: &'a Handle,
+    pub a: &'a [&'a Handle],
     pub counters: &'a Handle,
 }
 
-/// [`matmul_segments_or_parts`] of one product with a LoRA adapter whose `T = X·Aᵀ` is not
-/// computed yet (`product.lora.t` is where it goes): where the product's launch can compute it
-/// itself (the warpgroup kernel: CUDA sm_90, rank 8, 16 or 32; `QERL_LORA_FOLD=0` turns it
-/// off), `T` is computed by extra cubes of that launch, beside the product's, which need it
-/// only in their epilogue: one launch fewer. Elsewhere returns
-/// [`SegmentsOutcome::NotTaken`] without launching anything, for the caller to compute `T`
-/// first.
+/// [`matmul_segments_or_parts`] of products with LoRA adapters whose `T = X·Aᵀ` are not
+/// computed yet (each `lora.t` is where its goes): where the products' launch can compute them
+/// itself (the warpgroup kernel: CUDA sm_90, ranks a multiple of 8 and at most 48 adapter
+/// rows in all; `QERL_LORA_FOLD=0` turns it off), they are computed by extra cubes of that
+/// launch, beside the product's, which need them only in their epilogue: one launch fewer.
+/// Elsewhere returns [`SegmentsOutcome::NotTaken`] without launching anything, for the caller
+/// to compute them first.
 pub fn matmul_folding_lora_down<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,
     m: usize,
-    product: &SegmentProduct<'_>,
+    products: &[SegmentProduct<'_>],
     fold: &LoraFold<'_>,
     keep_parts: bool,
 ) -> Result<SegmentsOutcome, KernelError> {
-    let Some(lora) = &product.lora else {
+    if products.is_empty() || fold.a.len() != products.len() {
         return Ok(SegmentsOutcome::NotTaken);
-    };
-    check_buffer(
-        "matmul_folding_lora_down",
-        "LoRA A",
-        fold.a,
-        bytes_of::<F>(lora.rank * product.weight.k),
-    )?;
+    }
+    for (p, a) in products.iter().zip(fold.a) {
+        let Some(lora) = &p.lora else {
+            return Ok(SegmentsOutcome::NotTaken);
+        };
+        let bytes = bytes_of::<F>(lora.rank * p.weight.k);
+        check_buffer("matmul_folding_lora_down", "LoRA A", a, bytes)?;
+    }
     check_buffer("matmul_folding_lora_down", "counters", fold.counters, 8)?;
-    segments_or_parts::<R, F>(
-        client,
-        x,
-        m,
-        std::slice::from_ref(product),
-        keep_parts,
-        Some(fold),
-    )
+    segments_or_parts::<R, F>(client, x, m, products, keep_parts, Some(fold))
 }
 
 /// [`matmul_segments_or_parts`]; with `fold` (one product), only where the launch computes `T`.
@@ -752,7 +746,7 @@ fn segments_or_parts<R: Runtime, F: Float>(
         let Some(plan) = plan else {
             return Ok(SegmentsOutcome::NotTaken);
         };
-        if fold.is_some() && !(products.len() == 1 && plan.folds(client, rank.unwrap_or(0))) {
+        if fold.is_some() && !plan.folds(client, rank.unwrap_or(0), products.len()) {
             return Ok(SegmentsOutcome::NotTaken);
         }
         check_segments::<F>(x, m, k, products)?;

@@ -1054,13 +1054,13 @@ fn seg_products<'a>(
         .collect()
 }
 
-/// [`gemm::matmul_folding_lora_down`] of `seg` alone (no bias, LoRA of rank `rank`), written
-/// and then kept as K-slices, each into poisoned `T` and outputs, with the same two counters:
-/// where it runs, `T` within a relative L2 error of 1e-5 of the f64 product of the rounded
-/// `rx` and `A`, the output (the slices summed in slice order and rounded, where kept) within
-/// `tol` of the f64 reference, the kept slices equal to the written output bit for bit, and
-/// the counters back at 0. Returns the launches it
-/// made (0 where the fold does not apply: nothing may have run).
+/// [`gemm::matmul_folding_lora_down`] of `segs` (no bias, LoRA of rank `rank` on each),
+/// written and then kept as K-slices, each into poisoned `T`s and outputs, with the same two
+/// counters: where it runs, each `T` within a relative L2 error of 1e-5 of the f64 product of
+/// the rounded `rx` and its `A`, each output (the slices summed in slice order and rounded,
+/// where kept) within `tol` of the f64 reference, the kept slices equal to the written outputs
+/// bit for bit, and the counters back at 0. Returns the launches it made (0 where the fold
+/// does not apply: nothing may have run).
 #[allow(clippy::too_many_arguments)]
 fn folded_equals_reference<R: Runtime, F: Float + CubeElement>(
     c: &ComputeClient<R>,
@@ -1068,87 +1068,113 @@ fn folded_equals_reference<R: Runtime, F: Float + CubeElement>(
     xh: &Handle,
     rx: &[f64],
     (m, k, rank): (usize, usize, usize),
-    seg: &SegCase,
+    segs: &[SegCase],
     tol: f64,
     seed: u64,
 ) -> usize {
     let counters = c.create_from_slice(u32::as_bytes(&[0u32; 2]));
-    let want_t: Vec<f64> = (0..m * rank)
-        .map(|i| {
-            let (row, j) = (i / rank, i % rank);
-            (0..k).map(|q| rx[row * k + q] * seg.ra[j * k + q]).sum()
-        })
-        .collect();
-    let lref = LoraRef {
-        a: &seg.ra,
-        b: &seg.rb,
-        rank,
-        scale: seg.scale as f64,
-    };
-    let want_y = matmul_ref(rx, &seg.deq, m, seg.n, k, None, Some(&lref));
-    let mut folded_y: Option<Vec<f64>> = None;
+    let n_total: usize = segs.iter().map(|s| s.n).sum();
+    let a: Vec<&Handle> = segs.iter().map(|s| &s.a).collect();
+    let mut first_outputs: Option<Vec<Vec<f64>>> = None;
     let mut launches = 0;
     for keep in [false, true] {
-        let t = c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank]));
-        let y = poisoned::<R, F>(c, m * seg.n);
-        let product = gemm::SegmentProduct {
-            weight: &seg.dw,
-            bias: None,
-            lora: Some(gemm::LoraEpilogue {
-                t: &t,
-                b: &seg.b,
-                rank,
-                scale: seg.scale,
-            }),
-            y: &y,
-        };
+        let ts: Vec<Handle> = segs
+            .iter()
+            .map(|_| c.create_from_slice(f32::as_bytes(&vec![f32::NAN; m * rank])))
+            .collect();
+        let ys: Vec<Handle> = segs.iter().map(|s| poisoned::<R, F>(c, m * s.n)).collect();
+        let products: Vec<gemm::SegmentProduct<'_>> = segs
+            .iter()
+            .zip(&ts)
+            .zip(&ys)
+            .map(|((s, t), y)| gemm::SegmentProduct {
+                weight: &s.dw,
+                bias: None,
+                lora: Some(gemm::LoraEpilogue {
+                    t,
+                    b: &s.b,
+                    rank,
+                    scale: s.scale,
+                }),
+                y,
+            })
+            .collect();
         let fold = gemm::LoraFold {
-            a: &seg.a,
+            a: &a,
             counters: &counters,
         };
         let outcome =
-            gemm::matmul_folding_lora_down::<R, F>(c, xh, m, &product, &fold, keep).unwrap();
-        let got = match outcome {
+            gemm::matmul_folding_lora_down::<R, F>(c, xh, m, &products, &fold, keep).unwrap();
+        let got: Vec<Vec<f64>> = match outcome {
             gemm::SegmentsOutcome::NotTaken => {
                 assert_eq!(launches, 0, "{what}: taken once, then not (seed {seed})");
                 return 0;
             }
-            gemm::SegmentsOutcome::Written => read::<R, F>(c, &y),
+            gemm::SegmentsOutcome::Written => ys.iter().map(|y| read::<R, F>(c, y)).collect(),
             gemm::SegmentsOutcome::Parts(sp) => {
                 let parts = f32::from_bytes(&c.read_one(sp.parts.clone()).unwrap()).to_vec();
-                let sums: Vec<f32> = (0..m * seg.n)
-                    .map(|i| (0..sp.splits).fold(0.0f32, |a, z| a + parts[z * m * seg.n + i]))
-                    .collect();
-                rounded::<F>(&sums)
+                let mut col0 = 0;
+                segs.iter()
+                    .map(|s| {
+                        let sums: Vec<f32> = (0..m * s.n)
+                            .map(|i| {
+                                let at = (i / s.n) * n_total + col0 + i % s.n;
+                                (0..sp.splits)
+                                    .fold(0.0f32, |acc, z| acc + parts[z * m * n_total + at])
+                            })
+                            .collect();
+                        col0 += s.n;
+                        rounded::<F>(&sums)
+                    })
+                    .collect()
             }
         };
         launches += 1;
         let what = format!("{what} (keep_parts={keep})");
-        let t_got: Vec<f64> = f32::from_bytes(&c.read_one(t.clone()).unwrap())
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
-        assert!(
-            t_got.iter().all(|v| v.is_finite()),
-            "{what}: T not all written (seed {seed})"
-        );
-        let err: f64 = t_got
-            .iter()
-            .zip(&want_t)
-            .map(|(a, b)| (a - b).powi(2))
-            .sum();
-        let norm: f64 = want_t.iter().map(|b| b * b).sum();
-        assert!(
-            err.sqrt() <= 1e-5 * norm.sqrt(),
-            "{what}: T relative L2 error {} (seed {seed})",
-            err.sqrt() / norm.sqrt()
-        );
-        assert_close(&what, &got, &want_y, tol, seed);
-        match &folded_y {
-            None => folded_y = Some(got),
+        for (i, (seg, t)) in segs.iter().zip(&ts).enumerate() {
+            let want_t: Vec<f64> = (0..m * rank)
+                .map(|e| {
+                    let (row, j) = (e / rank, e % rank);
+                    (0..k).map(|q| rx[row * k + q] * seg.ra[j * k + q]).sum()
+                })
+                .collect();
+            let t_got: Vec<f64> = f32::from_bytes(&c.read_one(t.clone()).unwrap())
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            assert!(
+                t_got.iter().all(|v| v.is_finite()),
+                "{what}: segment {i}: T not all written (seed {seed})"
+            );
+            let err: f64 = t_got
+                .iter()
+                .zip(&want_t)
+                .map(|(a, b)| (a - b).powi(2))
+                .sum();
+            let norm: f64 = want_t.iter().map(|b| b * b).sum();
+            assert!(
+                err.sqrt() <= 1e-5 * norm.sqrt(),
+                "{what}: segment {i}: T relative L2 error {} (seed {seed})",
+                err.sqrt() / norm.sqrt()
+            );
+            let lref = LoraRef {
+                a: &seg.ra,
+                b: &seg.rb,
+                rank,
+                scale: seg.scale as f64,
+            };
+            let want_y = matmul_ref(rx, &seg.deq, m, seg.n, k, None, Some(&lref));
+            assert_close(&format!("{what}: segment {i}"), &got[i], &want_y, tol, seed);
+        }
+        match &first_outputs {
+            None => first_outputs = Some(got),
             Some(first) => assert!(
-                first.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what}: the kept slices summed differ from the folded written output (seed {seed})"
+                first
+                    .iter()
+                    .flatten()
+                    .zip(got.iter().flatten())
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: the kept slices summed differ from the written outputs (seed {seed})"
             ),
         }
         let left = u32::from_bytes(&c.read_one(counters.clone()).unwrap()).to_vec();
@@ -1412,15 +1438,17 @@ pub fn matmul_mma_segments<R: Runtime, F: Float + CubeElement>(device: &R::Devic
                         seed,
                     );
                     ran += 3;
-                    if lora {
-                        let what = format!("{what}, its LoRA down-projection folded in");
+                    // Their LoRA down-projections computed in the launch: the first product
+                    // alone (o, down), then all of them (q/k/v, gate/up).
+                    for n_segs in [1, segs.len()].into_iter().filter(|_| lora) {
+                        let what = format!("{what}, {n_segs} folded");
                         let f = folded_equals_reference::<R, F>(
                             &c,
                             &what,
                             &xh,
                             &rx,
                             (m, k, rank),
-                            &segs[0],
+                            &segs[..n_segs],
                             tol,
                             seed,
                         );

@@ -215,19 +215,25 @@ pub fn launches() -> usize {
 pub(crate) struct SegmentPlan(Geometry);
 
 impl SegmentPlan {
-    /// Whether this launch of one product with a LoRA adapter of rank `rank` can compute the
-    /// adapter's down-projection itself ([`crate::gemm::LoraFold`]): on the warpgroup kernel
-    /// (CUDA sm_90) at the ranks it takes, unless `QERL_LORA_FOLD=0` (read once).
-    pub(crate) fn folds<R: Runtime>(&self, client: &ComputeClient<R>, rank: usize) -> bool {
+    /// Whether this launch of `segments` products with LoRA adapters of rank `rank` can compute
+    /// the adapters' down-projections itself ([`crate::gemm::LoraFold`]): on the warpgroup
+    /// kernel (CUDA sm_90) at the ranks it takes, unless `QERL_LORA_FOLD=0` (read once).
+    pub(crate) fn folds<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        rank: usize,
+        segments: usize,
+    ) -> bool {
         #[cfg(feature = "cuda")]
         {
             static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
             let on = *ON.get_or_init(|| std::env::var("QERL_LORA_FOLD").as_deref() != Ok("0"));
-            on && super::warpgroup::runs(client, &self.0) && super::warpgroup::fold_takes(rank)
+            on && super::warpgroup::runs(client, &self.0)
+                && super::warpgroup::fold_takes(rank, segments)
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (client, rank);
+            let _ = (client, rank, segments);
             false
         }
     }

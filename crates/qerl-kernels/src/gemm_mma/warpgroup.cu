@@ -16,11 +16,11 @@
 //   WARPS (4 or 8), M_TILES (1..8: tokens a cube = 8*M_TILES), BLOCK (16 NVFP4, 32 MXFP4),
 //   DEPTH (chunks of codes in flight, 1..4), HAS_BIAS, HAS_LORA, SPLIT, M_MAJOR, OUT_F32,
 //   SEGMENTS (1..3), MIN_CUBES (cubes a multiprocessor must hold: caps the registers), LBO,
-//   SBO (descriptor strides), FOLD_NT (0, or the LoRA rank / 8 of a single segment whose `T`
-//   this launch computes itself, see "The folded down-projection" below), and `wgmma_step`
-//   for this N in place of the marker below.
+//   SBO (descriptor strides), FOLD_NT (0, or SEGMENTS * FOLD_RANK / 8: the LoRA adapters of
+//   rank FOLD_RANK, one a segment, whose `T` this launch computes itself, see "The folded
+//   down-projection" below), and `wgmma_step` for this N in place of the marker below.
 //
-// The folded down-projection (FOLD_NT > 0, one segment with LoRA): `T = X * A^T` is not
+// The folded down-projection (FOLD_NT > 0, every segment with LoRA): `T_s = X * A_s^T` is not
 // computed by a launch before this one; the grid is one-dimensional, its first `fold_cubes`
 // cubes (one a 16-token group, dispatched first) compute `T` (K cut over their warps in a
 // fixed order, the warps' sums added in warp order: deterministic and batch-invariant), store
@@ -64,7 +64,8 @@ typedef u16 out_t;
 #define TWO_POW_63 9.223372036854775808e18f
 #define FOLD (FOLD_NT > 0)
 #if FOLD
-// The folded down-projection: T's columns, a cube's f32 sums (16 tokens), its steps in flight.
+// The folded down-projection: the segments' T columns side by side, a cube's f32 sums (16
+// tokens), its steps in flight.
 #define FOLD_COLS (FOLD_NT * 8)
 #define FOLD_TILE (16 * FOLD_COLS)
 #define FOLD_DEPTH (FOLD_NT <= 2 ? 4 : 2)
@@ -158,14 +159,16 @@ __device__ __forceinline__ u32 load_acquire(const u32* p) {
     return v;
 }
 
-// One fold cube: T[row0 .. row0 + 16, FOLD_COLS] = X * A^T for the 16-token group `group`,
-// as lora_down_mma.cu computes one group in one cube: lane (g, t) loads 16 bytes at
+// One fold cube: T_s[row0 .. row0 + 16, FOLD_RANK] = X * A_s^T for the 16-token group
+// `group`, the segments' adapter rows side by side as FOLD_COLS columns, as lora_down_mma.cu
+// computes one group in one cube: lane (g, t) loads 16 bytes at
 // k = 8t .. 8t + 8 of each 32-deep step from X's rows g and g + 8 and from the adapter rows
 // 8j + g (the same places in X and A: only the order of the sum over k changes); warp w takes
 // the steps w * per .. (w + 1) * per; the warps' sums meet in `red` in warp order.
-__device__ __forceinline__ void fold_lora_down(const u32x4* x, const u32x4* a, float* tout,
-                                               float* red, u32* counters, int group, int m,
-                                               int k_dim) {
+__device__ __forceinline__ void fold_lora_down(const u32x4* x, const u32x4* a0,
+                                               const u32x4* a1, const u32x4* a2, float* t0,
+                                               float* t1, float* t2, float* red,
+                                               u32* counters, int group, int m, int k_dim) {
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int kv = k_dim / 8, k_steps = k_dim / 32, row0 = group * 16;
@@ -173,7 +176,11 @@ __device__ __forceinline__ void fold_lora_down(const u32x4* x, const u32x4* a, f
     const u32x4* xh = x + (long)imin(row0 + g + 8, m - 1) * kv + t;
     const u32x4* ap[FOLD_NT];
 #pragma unroll
-    for (int j = 0; j < FOLD_NT; ++j) ap[j] = a + (long)(8 * j + g) * kv + t;
+    for (int j = 0; j < FOLD_NT; ++j) {
+        const int n = 8 * j + g, sg = n / FOLD_RANK;
+        const u32x4* a = sg == 0 ? a0 : sg == 1 ? a1 : a2;
+        ap[j] = a + (long)(n % FOLD_RANK) * kv + t;
+    }
     float acc[FOLD_NT * 4];
 #pragma unroll
     for (int i = 0; i < FOLD_NT * 4; ++i) acc[i] = 0.0f;
@@ -224,8 +231,9 @@ __device__ __forceinline__ void fold_lora_down(const u32x4* x, const u32x4* a, f
             v.z += u.z;
             v.w += u.w;
         }
-        const int row = row0 + e / FOLD_COLS;
-        if (row < m) *(f32x4*)(tout + (long)row * FOLD_COLS + e % FOLD_COLS) = v;
+        const int row = row0 + e / FOLD_COLS, col = e % FOLD_COLS, sg = col / FOLD_RANK;
+        float* tout = sg == 0 ? t0 : sg == 1 ? t1 : t2;
+        if (row < m) *(f32x4*)(tout + (long)row * FOLD_RANK + col % FOLD_RANK) = v;
     }
     // Every store visible GPU-wide before the cube is counted.
     __threadfence();
@@ -247,7 +255,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     const u32x2* __restrict__ codes2, const u32* __restrict__ scale_bytes2,
     const float* __restrict__ scale_table2, const u16* __restrict__ bias2,
     const float* T_RESTRICT lora_t2, const u32* __restrict__ lora_b2, out_t* y2,
-    const u32x4* __restrict__ fold_a, u32* fold_counters, const Info info) {
+    const u32x4* __restrict__ fold_a0, const u32x4* __restrict__ fold_a1,
+    const u32x4* __restrict__ fold_a2, u32* fold_counters, const Info info) {
     __shared__ float stab[256];
     __shared__ __align__(128) u32 xs[XS_WORDS];
 
@@ -257,7 +266,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_wgmma_w4a1
     // A one-dimensional grid: the fold cubes first, then the product's (x fastest).
     const int lin = (int)blockIdx.x - (int)info.fold_cubes;
     if (lin < 0) {
-        fold_lora_down(x, fold_a, (float*)lora_t0, (float*)xs, fold_counters, blockIdx.x,
+        fold_lora_down(x, fold_a0, fold_a1, fold_a2, (float*)lora_t0, (float*)lora_t1,
+                       (float*)lora_t2, (float*)xs, fold_counters, blockIdx.x,
                        (int)info.m_rows, (int)info.k_dim);
         return;
     }

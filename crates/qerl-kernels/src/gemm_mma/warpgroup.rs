@@ -61,9 +61,9 @@ pub(crate) struct Config {
     pub m_major: bool,
     pub out_f32: bool,
     pub segments: usize,
-    /// 0, or the LoRA rank / 8 of the one segment whose down-projection the launch folds in
+    /// 0, or the LoRA rank of the segments whose down-projections the launch folds in
     /// ([`crate::gemm::LoraFold`]).
-    pub fold_nt: usize,
+    pub fold_rank: usize,
 }
 
 impl Config {
@@ -90,7 +90,8 @@ impl Config {
             ("MIN_CUBES", min_cubes),
             ("LBO", lbo),
             ("SBO", sbo),
-            ("FOLD_NT", self.fold_nt),
+            ("FOLD_NT", self.segments * self.fold_rank / 8),
+            ("FOLD_RANK", self.fold_rank),
         ]);
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
@@ -126,15 +127,16 @@ fn wgmma_step(n: usize) -> String {
     )
 }
 
-/// The LoRA ranks a folded down-projection takes (a multiple of 8, its loads in registers).
-pub(crate) fn fold_takes(rank: usize) -> bool {
-    matches!(rank, 8 | 16 | 32)
+/// Whether a folded down-projection takes `segments` adapters of rank `rank`: a multiple of 8,
+/// at most 48 columns in all (their loads are in registers).
+pub(crate) fn fold_takes(rank: usize, segments: usize) -> bool {
+    rank > 0 && rank.is_multiple_of(8) && rank * segments <= 48
 }
 
 /// Launches the kernel for `g` (the staged kernel's tiles, grid and split) over 1 to 3
 /// segments, into f32 partial sums when `out_f32`, else bf16 outputs; `has_bias`, `has_lora`
-/// as the staged kernel's flags; with `fold`, one segment with LoRA of a rank [`fold_takes`],
-/// whose `T` the launch computes first. The caller checked [`available`], the buffers, and
+/// as the staged kernel's flags; with `fold`, every segment with LoRA of a rank
+/// [`fold_takes`], whose `T` the launch computes first. The caller checked [`available`], the buffers, and
 /// that every segment's `N` but the last is a multiple of the cube's `16 · warps` rows.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch<R: Runtime>(
@@ -164,16 +166,19 @@ pub(crate) fn launch<R: Runtime>(
         m_major: g.m_major,
         out_f32,
         segments: segs.len(),
-        fold_nt: if fold.is_some() { rank / 8 } else { 0 },
+        fold_rank: if fold.is_some() { rank } else { 0 },
     };
-    debug_assert!(fold.is_none() || (segs.len() == 1 && has_lora && fold_takes(rank)));
+    debug_assert!(fold
+        .is_none_or(|f| { f.a.len() == segs.len() && has_lora && fold_takes(rank, segs.len()) }));
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
     let n_total: usize = segs.iter().map(|s| s.n).sum();
     let (cubes0, cubes1) = cuda_source::segment_starts(segs, 16 * g.warps);
     let mut buffers = cuda_source::segment_bindings(x, segs);
-    let (fold_a, fold_counters) = fold.map_or((x, x), |f| (f.a, f.counters));
-    buffers.push(fold_a.clone().binding());
-    buffers.push(fold_counters.clone().binding());
+    for i in 0..3 {
+        let a = fold.map_or(x, |f| f.a[i.min(f.a.len() - 1)]);
+        buffers.push(a.clone().binding());
+    }
+    buffers.push(fold.map_or(x, |f| f.counters).clone().binding());
     // With a fold, one dimension: its cubes (one a 16-token group) first, then the product's.
     let fold_cubes = if fold.is_some() { m.div_ceil(16) } else { 0 };
     let grid = match fold {
@@ -235,7 +240,7 @@ mod tests {
             m_major: false,
             out_f32: true,
             segments: 2,
-            fold_nt: 0,
+            fold_rank: 0,
         };
         let s = c.source();
         for d in [
@@ -251,6 +256,7 @@ mod tests {
             "LBO 128",
             "SBO 1024",
             "FOLD_NT 0",
+            "FOLD_RANK 0",
         ] {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }
