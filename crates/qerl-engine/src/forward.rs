@@ -399,7 +399,12 @@ fn norm<'a, R: Runtime, F: Float>(
     layers: &[&Linear],
     ws: &Workspace,
 ) -> bool {
-    let adapters: Vec<_> = layers.iter().filter_map(|l| l.lora.as_ref()).collect();
+    // No LoRA down-projections where the products after the norm compute their own.
+    let folds = crate::products::folds_lora_down::<R, F>(client, m, layers, &ws.lora);
+    let adapters: Vec<_> = match folds {
+        true => Vec::new(),
+        false => layers.iter().filter_map(|l| l.lora.as_ref()).collect(),
+    };
     let rank = adapters.first().map_or(0, |a| a.rank);
     let uniform = adapters.len() == layers.len() && adapters.iter().all(|a| a.rank == rank);
     #[cfg(feature = "cuda")]
@@ -410,15 +415,7 @@ fn norm<'a, R: Runtime, F: Float>(
             Residual::Dense(h) => Add::Dense(h),
             Residual::Parts(p, slices) => Add::Parts(p, slices),
         };
-        // Unless the products after it compute their own (`QERL_NORM_CLUSTER_LORA=0`, read
-        // once, for A/B timing): then the norm alone.
-        static WITH_LORA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let with_lora = *WITH_LORA
-            .get_or_init(|| std::env::var("QERL_NORM_CLUSTER_LORA").as_deref() != Ok("0"));
-        let a: Vec<&Handle> = match with_lora {
-            true => adapters.iter().map(|a| &a.a).collect(),
-            false => Vec::new(),
-        };
+        let a: Vec<&Handle> = adapters.iter().map(|a| &a.a).collect();
         let t: Vec<&Handle> = ws.lora.t.iter().take(a.len()).collect();
         let h: &Handle = res;
         if add_norm_lora::<R, F>(

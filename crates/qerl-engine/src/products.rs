@@ -262,20 +262,9 @@ fn folding_lora_down<R: Runtime, F: Float>(
     lora_t: &LoraOutputs,
     keep_parts: bool,
 ) -> Result<Option<Option<gemm::SplitParts>>, EngineError> {
-    let mut products = Vec::with_capacity(layers.len());
-    let mut a = Vec::with_capacity(layers.len());
-    for ((l, y), t) in layers.iter().zip(outputs).zip(&lora_t.t) {
-        let (Frozen::Quant(wq), Some(lora)) = (&l.weight, &l.lora) else {
-            return Ok(None);
-        };
-        products.push(gemm::SegmentProduct {
-            weight: wq,
-            bias: l.bias.as_ref(),
-            lora: Some(lora_epilogue(t, lora)),
-            y,
-        });
-        a.push(&lora.a);
-    }
+    let Some((products, a)) = fold_products(layers, outputs, lora_t) else {
+        return Ok(None);
+    };
     let fold = gemm::LoraFold {
         a: &a,
         counters: &lora_t.fold_counters,
@@ -287,6 +276,45 @@ fn folding_lora_down<R: Runtime, F: Float>(
         SegmentsOutcome::Written => Some(None),
         SegmentsOutcome::Parts(p) => Some(Some(p)),
     })
+}
+
+/// `layers`' products into `outputs` with their LoRA epilogues reading `lora_t`, and their
+/// adapters' `A`: `None` unless every weight is 4-bit with an adapter.
+fn fold_products<'a>(
+    layers: &[&'a Linear],
+    outputs: &[&'a Handle],
+    lora_t: &'a LoraOutputs,
+) -> Option<(Vec<gemm::SegmentProduct<'a>>, Vec<&'a Handle>)> {
+    let mut products = Vec::with_capacity(layers.len());
+    let mut a = Vec::with_capacity(layers.len());
+    for ((l, y), t) in layers.iter().zip(outputs).zip(&lora_t.t) {
+        let (Frozen::Quant(wq), Some(lora)) = (&l.weight, &l.lora) else {
+            return None;
+        };
+        products.push(gemm::SegmentProduct {
+            weight: wq,
+            bias: l.bias.as_ref(),
+            lora: Some(lora_epilogue(t, lora)),
+            y,
+        });
+        a.push(&lora.a);
+    }
+    Some((products, a))
+}
+
+/// Whether `layers`' products at `m` rows compute their own LoRA down-projections
+/// ([`folding_lora_down`], as [`linears_or_parts`] runs them when `T` is not ready): then the
+/// kernel before them need not (the norm). Nothing is launched.
+pub(crate) fn folds_lora_down<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    layers: &[&Linear],
+    lora_t: &LoraOutputs,
+) -> bool {
+    // The outputs are not read by the query: `T`'s buffers stand in for them.
+    let outputs: Vec<&Handle> = lora_t.t.iter().take(layers.len()).collect();
+    fold_products(layers, &outputs, lora_t)
+        .is_some_and(|(products, _)| gemm::folds_lora_down::<R, F>(client, m, &products))
 }
 
 /// A dense product: the tensor-core kernel for many rows where it applies, the engine's

@@ -726,23 +726,10 @@ fn segments_or_parts<R: Runtime, F: Float>(
         return Err(shape_err("matmul_segments", "M = 0".into()));
     }
     let k = first.weight.k;
-    let segs: Vec<crate::gemv::Segment<'_>> = products
-        .iter()
-        .map(|p| crate::gemv::Segment {
-            weight: p.weight,
-            bias: p.bias,
-            lora: p.lora.as_ref().map(|l| (l.t, l.b, l.rank, l.scale)),
-            y: p.y,
-        })
-        .collect();
+    let segs = gemv_segments(products);
     let rank = first.lora.as_ref().map(|l| l.rank);
     // Rows the mma kernel takes (see `matmul`): one staged launch, else one by one.
-    if m >= crate::gemm_mma::options().min_m && mma_applies::<R, F>(client, m, first.weight, rank) {
-        let plan = products
-            .iter()
-            .all(|p| mma_applies::<R, F>(client, m, p.weight, rank))
-            .then(|| crate::gemm_mma::plan_segments::<R, F>(client, m, &segs))
-            .flatten();
+    if let Some(plan) = mma_segments_plan::<R, F>(client, m, &segs) {
         let Some(plan) = plan else {
             return Ok(SegmentsOutcome::NotTaken);
         };
@@ -768,6 +755,61 @@ fn segments_or_parts<R: Runtime, F: Float>(
     check_segments::<F>(x, m, k, products)?;
     crate::gemv::launch_segments::<R, F>(client, x, m, &segs);
     Ok(SegmentsOutcome::Written)
+}
+
+/// `products` as the segment launches take them.
+fn gemv_segments<'a>(products: &'a [SegmentProduct<'_>]) -> Vec<crate::gemv::Segment<'a>> {
+    products
+        .iter()
+        .map(|p| crate::gemv::Segment {
+            weight: p.weight,
+            bias: p.bias,
+            lora: p.lora.as_ref().map(|l| (l.t, l.b, l.rank, l.scale)),
+            y: p.y,
+        })
+        .collect()
+}
+
+/// Where the mma kernels take `m > 0` rows of `segs` (see [`matmul`]): `Some` of their one
+/// staged launch's plan, or `Some(None)` where they take the rows but not this layout; `None`
+/// where they do not take the rows.
+fn mma_segments_plan<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    segs: &[crate::gemv::Segment<'_>],
+) -> Option<Option<crate::gemm_mma::SegmentPlan>> {
+    let first = segs.first()?;
+    let rank = first.lora.map(|l| l.2);
+    if m < crate::gemm_mma::options().min_m || !mma_applies::<R, F>(client, m, first.weight, rank) {
+        return None;
+    }
+    Some(
+        segs.iter()
+            .all(|s| mma_applies::<R, F>(client, m, s.weight, rank))
+            .then(|| crate::gemm_mma::plan_segments::<R, F>(client, m, segs))
+            .flatten(),
+    )
+}
+
+/// Whether [`matmul_folding_lora_down`] takes `products` at `m` rows (nothing is launched):
+/// for a caller that would otherwise compute their `T` in a kernel before (the engine's norm).
+pub fn folds_lora_down<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    m: usize,
+    products: &[SegmentProduct<'_>],
+) -> bool {
+    let Some(rank) = products
+        .first()
+        .and_then(|p| p.lora.as_ref())
+        .map(|l| l.rank)
+    else {
+        return false;
+    };
+    m > 0
+        && products.iter().all(|p| p.lora.is_some())
+        && mma_segments_plan::<R, F>(client, m, &gemv_segments(products))
+            .flatten()
+            .is_some_and(|plan| plan.folds(client, rank, products.len()))
 }
 
 /// The buffers of [`matmul_segments`]: `x [M, K]`, each `y [M, N]`, bias `[N]`, LoRA `T [M, r]`

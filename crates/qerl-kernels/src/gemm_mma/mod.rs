@@ -60,7 +60,7 @@ pub use launch::{
 pub use segments::{
     enabled as segments_enabled, launches as segment_launches, set_enabled as set_segments,
 };
-pub(crate) use segments::{launch as launch_segments, plan as plan_segments};
+pub(crate) use segments::{launch as launch_segments, plan as plan_segments, SegmentPlan};
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
