@@ -124,6 +124,7 @@ impl Workspace {
 /// f32 values of scratch the tensor-core LoRA down-projections need at up to `rows` rows of
 /// this shape: the largest over the products' depths (hidden, q_dim, intermediate), whatever
 /// the adapters. 0 without CUDA.
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
 fn lora_down_scratch<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     s: &crate::shape::ModelShape,

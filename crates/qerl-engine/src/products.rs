@@ -1,7 +1,8 @@
-//! The products of a decoder layer as the engine launches them: the LoRA down-projections,
-//! the 4-bit products sharing an input as one segment launch (or their unreduced K-slices, for
-//! the kernel after them to add), the down product whose K-slices the next norm adds, and the
-//! dense products.
+//! The products of a decoder layer as the engine launches them: the LoRA down-projections
+//! (inside the products' own launch where [`gemm::matmul_folding_lora_down`] takes them, else
+//! a launch before), the 4-bit products sharing an input as one segment launch (or their
+//! unreduced K-slices, for the kernel after them to add), the down product whose K-slices the
+//! next norm adds, and the dense products.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -139,6 +140,7 @@ pub(crate) fn lora_downs<R: Runtime, F: Float>(
 
 /// [`qerl_kernels::lora_down_mma`] where it runs (CUDA builds, bf16/f16 with `mma`).
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
 fn lora_down_mma<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,

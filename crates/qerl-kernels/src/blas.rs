@@ -101,6 +101,7 @@ fn run<R: Runtime, F: Float>(
 }
 
 #[cfg(not(feature = "cuda"))]
+#[allow(clippy::extra_unused_type_parameters)] // the CUDA form's signature
 fn run<R: Runtime, F: Float>(
     _client: &ComputeClient<R>,
     _products: &[DenseProduct<'_>],

@@ -801,6 +801,7 @@ pub(crate) struct Segment<'a> {
 
 /// Whether [`launch_segments`] takes these products: two or three of one format and `K`, the
 /// same epilogue terms (and LoRA rank) on each, and none that the split planner would split.
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
 pub(crate) fn segments_apply<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     m: usize,
