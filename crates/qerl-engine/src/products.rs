@@ -172,9 +172,10 @@ fn lora_down_mma<R: Runtime, F: Float>(
     }
 }
 
-/// Linears that share the input `x [m, k]`: their LoRA down-projections ([`lora_downs`]; none
-/// when `t_ready`, the norm before having filled `t`), then each product with bias and LoRA in
-/// its epilogue.
+/// Linears that share the input `x [m, k]`: their LoRA down-projections (none when `t_ready`,
+/// the norm before having filled `t`; inside the products' launch where
+/// [`folding_lora_down`] takes them; else [`lora_downs`]), then each product with bias and
+/// LoRA in its epilogue.
 pub(crate) fn linears<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,

@@ -682,7 +682,7 @@ pub struct LoraFold<'a> {
 }
 
 /// [`matmul_segments_or_parts`] of products with LoRA adapters whose `T = X·Aᵀ` are not
-/// computed yet (each `lora.t` is where its goes): where the products' launch can compute them
+/// computed yet (each `lora.t` is where its `T` goes): where the products' launch can compute them
 /// itself (the warpgroup kernel: CUDA sm_90, ranks a multiple of 8 and at most 48 adapter
 /// rows in all; `QERL_LORA_FOLD=0` turns it off), they are computed by extra cubes of that
 /// launch, beside the product's, which need them only in their epilogue: one launch fewer.
