@@ -710,7 +710,7 @@ pub fn matmul_folding_lora_down<R: Runtime, F: Float>(
     segments_or_parts::<R, F>(client, x, m, products, keep_parts, Some(fold))
 }
 
-/// [`matmul_segments_or_parts`]; with `fold` (one product), only where the launch computes `T`.
+/// [`matmul_segments_or_parts`]; with `fold`, only where the launch computes the products' `T`.
 fn segments_or_parts<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
     x: &Handle,

@@ -276,7 +276,7 @@ pub(crate) fn plan<R: Runtime, F: Float>(
 /// one staged kernel and, when split, one segmented reduction; or, split with `keep_parts`,
 /// returns the partial sums `[splits, M, ΣN]` (each segment's columns after the previous ones',
 /// the LoRA term in slice 0, the biases not added) and their count instead, no `y` written.
-/// With `fold` (where [`SegmentPlan::folds`]), the one segment's LoRA `T` is computed in the
+/// With `fold` (where [`SegmentPlan::folds`]), every segment's LoRA `T` is computed in the
 /// launch.
 pub(crate) fn launch<R: Runtime, F: Float>(
     client: &ComputeClient<R>,
