@@ -9,7 +9,10 @@
 # ENGINE_TESTS="filter ...": the engine's CUDA tests matching these filters instead of the
 # segment tests (carry .device/kernels_cuda, stripped; session 28: the tensor-core LoRA
 # down-projections).
-# EXTRA="name:ENV=v,ENV=v@batch ...": one more wall-time run each, at its batch (session 29).
+# EXTRA="name:ENV=v,ENV=v@batch ...": one more wall-time run each, at its batch (session 29);
+# SHAPE=qwen2.5-32b among the ENV picks the model shape (session 31).
+# KTESTS: the kernel tests' filter (the segment tests on the warpgroup kernel by default).
+# CHECK1=1: the benchmark's check at batch 1 (16 new tokens) before the timings.
 # Carry .device/qerl.tar.gz and .device/kernels.xz. There: bash tools/device_ab.sh
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
@@ -30,11 +33,18 @@ if [ -n "${ENGINE_TESTS:-}" ]; then
 elif [ "${TESTS:-1}" = 1 ]; then
   xz -dkf .device/kernels.xz && chmod +x .device/kernels
   start=$SECONDS
+  # shellcheck disable=SC2086 # the filters are words
   QERL_MMA_TEST_KERNEL=warpgroup QERL_MMA_TEST_TILES=default timeout -k 10 200 .device/kernels \
-    --ignored --test-threads=1 --nocapture cuda_bf16::matmul_mma_segments > "$OUT/test.txt" 2>&1
+    --ignored --test-threads=1 --nocapture ${KTESTS:-cuda_bf16::matmul_mma_segments} \
+    > "$OUT/test.txt" 2>&1
   grep -E "^test |test result|panicked|inside|warpgroup kernel|seed" "$OUT/test.txt" | head -12
   echo "segments tests: $((SECONDS - start)) s"
   grep -q "test result: ok" "$OUT/test.txt" || { echo "== tests failed: no timing"; exit 0; }
+fi
+if [ "${CHECK1:-0}" = 1 ]; then
+  echo "== check at batch 1"
+  timeout -k 5 200 /tmp/qm/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 --batch 1 \
+    --prompt 256 --new-tokens 16 2>&1 | grep -E "^\| qwen|check|error"
 fi
 bench() { # env... -- batch check
   timeout -k 5 ${RUN_T:-150} "$@" 2>&1 | grep -E "^\| qwen|check|error" ; }
@@ -71,7 +81,9 @@ if [ "${SASS:-1}" = 1 ]; then
 fi
 for v in ${EXTRA:-}; do
   name=${v%%:*}; spec=${v#*:}; IFS=, read -ra ev <<< "${spec%@*}"
-  r=$(env "${ev[@]}" timeout -k 5 150 /tmp/qm/qerl bench rollout --shape qwen2.5-7b \
+  shape=qwen2.5-7b
+  for e in "${ev[@]}"; do [ "${e%%=*}" = SHAPE ] && shape=${e#SHAPE=}; done
+  r=$(env "${ev[@]}" timeout -k 5 150 /tmp/qm/qerl bench rollout --shape "$shape" \
     --precision nvfp4 --batch "${spec##*@}" --prompt 256 --new-tokens 128 --no-check 2>/dev/null |
     grep "| qwen" | awk -F'|' '{print $6, $8}')
   echo "extra $name (batch ${spec##*@}): ms/step, decode tokens/s = $r"

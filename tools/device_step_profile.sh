@@ -8,6 +8,8 @@
 #   STEP (launches between two sampling launches that make one decode step, 200-900: ~285 at
 #   batch 1 since session 17's fusions, 480-800 at batch 64), NEW (new tokens a run, 16),
 #   PROMPT (prompt tokens, 256; the skip estimate assumes 256), COUNT (launches profiled, 3000),
+#   CACHE (ncu's --cache-control: all, the default, flushes the caches before each kernel;
+#   none keeps what the kernels before left in L2),
 #   SKIP (launches skipped, overriding the estimate below; at batch 256 the estimate and 53,000
 #   with NEW=64 both fell in the timed prefill: session 22 used SKIP=56000 COUNT=16000 NEW=64).
 # The launches skipped are estimated per batch from a 7B profile (2026-11-27): ~7,200 building
@@ -23,7 +25,7 @@ for spec in "$@"; do
     skip=${SKIP:-$(( 7190 + 2 * 1400 * passes + 677 * 3 - 500 ))}
     csv="$OUT/ncu-$name-b$b.csv"
     start=$SECONDS
-    env "${ev[@]}" timeout -k 10 ${NCU_T:-150} ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    env "${ev[@]}" timeout -k 10 ${NCU_T:-150} ncu --clock-control none --cache-control ${CACHE:-all} --metrics gpu__time_duration.sum --csv \
       --launch-skip $skip --launch-count ${COUNT:-3000} \
       /tmp/qerl bench rollout --shape ${SHAPE:-qwen2.5-7b} --precision ${PRECISION:-nvfp4} --batch $b \
       --prompt ${PROMPT:-256} --new-tokens ${NEW:-16} --no-check > "$csv" 2>/dev/null
