@@ -16,7 +16,9 @@
 // (i0, i0 + 4) and (i0 + 1, i0 + 5), i0 = 2hs, of the lane's word q, in the places `mma` calls
 // k = (2t, 2t + 1) and (2t + 8, 2t + 9); the `B` registers take the same columns of `X`.
 // Codes and scales of DEPTH chunks are in flight per warp, in registers (the loop is unrolled by
-// DEPTH, so the ring needs no register moves). `X` of the cube's K-slice is copied once into
+// DEPTH, so the ring needs no register moves); or, with STAGES > 0 (one row tile a warp), of
+// STAGES chunks in a ring in shared memory filled by `cp.async`, which holds no registers while
+// the bytes are on their way (at batch 1 the product is bound by the bytes in flight). `X` of the cube's K-slice is copied once into
 // shared memory in that order, each lane's four `B` registers of a word in one 16-byte entry
 // (entry (cl*4 + q)*4 + t of a token: the four lanes of a quad read 64 contiguous bytes, and at
 // batch 1 the eight quads read the same ones).
@@ -28,7 +30,8 @@
 // The host prepends: WARPS, KP (warps a row group), RT, M_TILES, BLOCK (16 NVFP4, 32 MXFP4),
 // DEPTH, HAS_BIAS, HAS_LORA, SPLIT (f32 partial sums per K-slice, one weight only), SEGMENTS,
 // MIN_CUBES (cubes a multiprocessor must hold: caps the registers), XS_TOKENS and XS_CHUNKS
-// (the tokens and 128-deep chunks the shared copy of `X` holds: M and the slice's chunks).
+// (the tokens and 128-deep chunks the shared copy of `X` holds: M and the slice's chunks),
+// STAGES (0: the register ring of DEPTH chunks).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -216,6 +219,54 @@ __device__ __forceinline__ void lora_frags(
 }
 #endif
 
+#if STAGES
+// A warp's ring slot, in u32 words: the lanes' 16 bytes of codes of rows g ([lane]) and g + 8
+// ([32 + lane]), then the scale bytes of the tile's 16 rows for the chunk (row after row).
+#define ROW_SCALE_BYTES (CHUNK / BLOCK)
+#define RING_CODE_WORDS (2 * 32 * 4)
+#define RING_WORDS (RING_CODE_WORDS + 16 * ROW_SCALE_BYTES / 4)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// One row's scale bytes of a chunk (8 NVFP4, 4 MXFP4).
+__device__ __forceinline__ void cp_async_row_scales(u32 dst, const void* src) {
+#if ROW_SCALE_BYTES == 8
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+#else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Until at most STAGES - 1 groups (chunks) are on their way: the oldest has landed.
+__device__ __forceinline__ void cp_async_wait_oldest() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
+}
+
+// Chunk c of the warp's tile into the ring slot at shared address `slot`: each lane its 16
+// bytes of rows g and g + 8, lanes 0-15 the scale bytes of row `lane` (byte `scale_row`).
+__device__ __forceinline__ void issue_chunk(
+    u32 slot, const u32x4* __restrict__ codes, const unsigned char* __restrict__ scales,
+    const u32 (&row_vec)[RT][2], u32 scale_row, int lane, int c) {
+    cp_async_16(slot + lane * 16, codes + row_vec[0][0] + 4 * c);
+    cp_async_16(slot + (32 + lane) * 16, codes + row_vec[0][1] + 4 * c);
+    if (lane < 16)
+        cp_async_row_scales(slot + RING_CODE_WORDS * 4 + lane * ROW_SCALE_BYTES,
+                            scales + scale_row + c * ROW_SCALE_BYTES);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const u32x4* __restrict__ x,
     const u32x4* __restrict__ codes0, const u32* __restrict__ scale_bytes0,
@@ -232,8 +283,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     __shared__ u32 stab[256];
     // `X` of the cube's slice in fragment order (see the top of this file).
     __shared__ __align__(16) u32 xs[XS_TOKENS * XS_TOKEN_WORDS];
-#if KP > 1
+#if STAGES
+    // Each warp's ring; after the K loop its first NACC * 32 words take the warp's sums.
+    __shared__ __align__(16) u32 ring[WARPS * STAGES * RING_WORDS];
+#define RED(w, i) (((float*)ring)[(w) * (STAGES * RING_WORDS) + (i) * 32 + lane])
+#elif KP > 1
     __shared__ float red[WARPS * NACC * 32];
+#define RED(w, i) red[((w) * NACC + (i)) * 32 + lane]
 #endif
 
     const int tid = threadIdx.x;
@@ -288,15 +344,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     // (NVFP4), block t of 4 (MXFP4).
     const int s_shift = BLOCK == 16 ? 16 * (t & 1) : 8 * t;
 
-    u32x4 wq[DEPTH][RT][2];
-    u32 sq[DEPTH][RT][2];
     const int first = c0 + kpart;
     // The first loads go out before `X` is copied and the scale table is built.
+#if STAGES
+    const u32 ring_slots = smem_addr(ring + warp * (STAGES * RING_WORDS));
+    const u32 scale_row = (u32)imin(n0 + (lane & 15), n_cols - 1) * (u32)(k_dim / BLOCK);
+    const unsigned char* scales = (const unsigned char*)scale_bytes;
+#pragma unroll
+    for (int d = 0; d < STAGES; ++d) {
+        const int c = first + d * KP;
+        if (c < c1)
+            issue_chunk(ring_slots + d * RING_WORDS * 4, codes, scales, row_vec, scale_row, lane, c);
+        cp_async_commit();
+    }
+    (void)row_word;
+#else
+    u32x4 wq[DEPTH][RT][2];
+    u32 sq[DEPTH][RT][2];
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
         const int c = first + d * KP;
         if (c < c1) load_chunk(wq[d], sq[d], codes, scale_bytes, row_vec, row_word, c);
     }
+#endif
     // Slice 0 carries the epilogue terms (the slices' sum is the output). The first LoRA step's
     // fragments are loaded now, so that the epilogue does not wait on them.
     const bool epilogue = !SPLIT || blockIdx.z == 0;
@@ -338,6 +408,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     float acc[2 * NACC];
 #pragma unroll
     for (int i = 0; i < 2 * NACC; ++i) acc[i] = 0.0f;
+#if STAGES
+    // Wait for the oldest chunk, take it into registers, compute, refill its slot STAGES chunks
+    // ahead (after the compute: the slot's reads are done). Every lane reads the scale bytes
+    // lanes 0-15 copied, hence the warp barriers.
+    for (int c = first, slot = 0; c < c1; c += KP) {
+        cp_async_wait_oldest();
+        __syncwarp();
+        const u32* rs = ring + (warp * STAGES + slot) * RING_WORDS;
+        u32x4 w[RT][2];
+        u32 s[RT][2];
+        w[0][0] = *(const u32x4*)(rs + lane * 4);
+        w[0][1] = *(const u32x4*)(rs + (32 + lane) * 4);
+        const int sw = RING_CODE_WORDS + (BLOCK == 16 ? (t >> 1) : 0);
+        s[0][0] = rs[sw + g * (ROW_SCALE_BYTES / 4)];
+        s[0][1] = rs[sw + (g + 8) * (ROW_SCALE_BYTES / 4)];
+        compute_chunk(w, s, xs_lane, c - c0, stab, s_shift, acc);
+        __syncwarp();
+        const int cn = c + STAGES * KP;
+        if (cn < c1)
+            issue_chunk(ring_slots + slot * RING_WORDS * 4, codes, scales, row_vec, scale_row,
+                        lane, cn);
+        cp_async_commit();
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+    }
+#else
     for (int cb = first; cb < c1; cb += DEPTH * KP) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
@@ -349,6 +444,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
             }
         }
     }
+#endif
 
     // The two parities' sums, with the half of 2^126 the block scales did not carry.
     float res[NACC];
@@ -359,14 +455,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     // The row group's first warp adds the others' sums, in warp order.
     if (kpart != 0) {
 #pragma unroll
-        for (int i = 0; i < NACC; ++i) red[(warp * NACC + i) * 32 + lane] = res[i];
+        for (int i = 0; i < NACC; ++i) RED(warp, i) = res[i];
     }
     __syncthreads();
     if (kpart != 0) return;
 #pragma unroll
     for (int j = 1; j < KP; ++j) {
 #pragma unroll
-        for (int i = 0; i < NACC; ++i) res[i] += red[((warp + j) * NACC + i) * 32 + lane];
+        for (int i = 0; i < NACC; ++i) res[i] += RED(warp + j, i);
     }
 #endif
 

@@ -46,17 +46,30 @@ const SLICE_CHUNKS: f64 = 0.75;
 /// u32 words of shared memory the copy of `X` may take (42 KiB: with the scale table and the
 /// warps' sums a cube stays under the 48 KiB of static shared memory).
 const XS_WORDS: usize = 10_752;
+/// Static shared memory a cube may take, and what the scale table takes of it.
+const SHARED_BYTES: usize = 48 << 10;
+const STAB_BYTES: usize = 1024;
+/// Bytes of one stage of the shared ring (`STAGES` > 0) for all warps of a cube: each warp's
+/// 16 rows of one chunk, 64 bytes of codes and (NVFP4, the larger) 8 scale bytes a row.
+const RING_STAGE_BYTES: usize = WARPS * 16 * (CHUNK / 2 + CHUNK / 16);
 
 /// Most chunks of a K-slice whose `X` fits the shared copy at `m` tokens (its layout:
-/// `m · (64 · chunks + 16)` words).
-fn max_slice_chunks(m: usize) -> usize {
-    (XS_WORDS / m.max(1)).saturating_sub(16) / 64
+/// `m · (64 · chunks + 16)` words) beside a ring of `stages` (the warps' sums then live in
+/// the ring).
+fn max_slice_chunks(m: usize, stages: usize) -> usize {
+    let words = match stages {
+        0 => XS_WORDS,
+        s => SHARED_BYTES.saturating_sub(STAB_BYTES + s * RING_STAGE_BYTES) / 4,
+    };
+    (words / m.max(1)).saturating_sub(16) / 64
 }
 
 /// Tuning knobs, read once from the environment (experiments): `QERL_GEMV_MMA=0` turns the
 /// kernel off, `QERL_GEMV_MMA_RT` (1, 2) sets the 16-row tiles a warp, `QERL_GEMV_MMA_DEPTH`
 /// (1 to 4) the chunks in flight, `QERL_GEMV_MMA_CUBES` (1 to 4) the cubes a multiprocessor
-/// must hold (the register cap), `QERL_GEMV_MMA_KP` (1, 2, 4, 8) the warps a row group.
+/// must hold (the register cap), `QERL_GEMV_MMA_KP` (1, 2, 4, 8) the warps a row group,
+/// `QERL_GEMV_MMA_STAGES` (0 to 4) the chunks of the shared ring at one token (0: the
+/// register ring of `depth` chunks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Knobs {
     pub enabled: bool,
@@ -65,6 +78,8 @@ pub(crate) struct Knobs {
     pub min_cubes: usize,
     /// 0: chosen by [`Plan::new`].
     pub kp: usize,
+    /// Chunks in the shared ring at one token, 0 for none.
+    pub stages: usize,
 }
 
 impl Knobs {
@@ -77,6 +92,7 @@ impl Knobs {
         depth: 2,
         min_cubes: 3,
         kp: 0,
+        stages: 3,
     };
 
     fn get() -> Knobs {
@@ -94,6 +110,7 @@ impl Knobs {
                     d.min_cubes,
                 ),
                 kp: num("QERL_GEMV_MMA_KP", &|v| [1, 2, 4, 8].contains(&v), d.kp),
+                stages: num("QERL_GEMV_MMA_STAGES", &|v| v <= 4, d.stages),
             }
         })
     }
@@ -160,7 +177,8 @@ pub(crate) fn segments_apply<R: Runtime, F: Float>(
 }
 
 /// A launch's shape: `rt` 16-row tiles a warp, `kp` warps a row group (each every `kp`-th
-/// chunk), `cubes` along x (the segments' in order), `splits` K-slices of `per` chunks.
+/// chunk), `cubes` along x (the segments' in order), `splits` K-slices of `per` chunks,
+/// `stages` chunks a warp in the shared ring (0: `depth` in registers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Plan {
     pub m: usize,
@@ -171,6 +189,7 @@ pub(crate) struct Plan {
     pub cubes: usize,
     pub splits: usize,
     pub per: usize,
+    pub stages: usize,
 }
 
 impl Plan {
@@ -181,7 +200,9 @@ impl Plan {
     /// slice when split), with
     /// `knobs.min_cubes` cubes a multiprocessor, each slice's `X` fitting the shared copy.
     /// Waves count: at batch 1 the kernel is bound by issue, so a partial last wave idles
-    /// the multiprocessors it leaves out. `None`: `unsplit` and `X` does not fit.
+    /// the multiprocessors it leaves out. The shared ring (`knobs.stages`) is taken at one
+    /// token with one row tile a warp, where an unsplit launch still fits it. `None`:
+    /// `unsplit` and `X` does not fit.
     pub(crate) fn new(
         ns: &[usize],
         m: usize,
@@ -192,7 +213,14 @@ impl Plan {
     ) -> Option<Plan> {
         let rows = 16 * knobs.rt;
         let chunks = (k / CHUNK).max(1);
-        let most = max_slice_chunks(m);
+        let stages = match m == 1 && knobs.rt == 1 {
+            true => knobs.stages,
+            false => 0,
+        };
+        if stages > 0 && unsplit && chunks > max_slice_chunks(m, stages) {
+            return Plan::new(ns, m, k, sms, Knobs { stages: 0, ..knobs }, unsplit);
+        }
+        let most = max_slice_chunks(m, stages);
         let slots = sms * knobs.min_cubes;
         // `splitk::plan` answers its forced count for any shape when one is set.
         let forced = splitk::plan(1, chunks, 1, 1).0;
@@ -229,6 +257,7 @@ impl Plan {
                     cubes,
                     splits,
                     per,
+                    stages,
                 };
                 if best.as_ref().is_none_or(|b| cost < b.0 - 1e-9) {
                     best = Some((cost, plan));
@@ -253,6 +282,7 @@ impl Plan {
             cubes: ns.iter().map(|n| n.div_ceil(rows * (WARPS / kp))).sum(),
             splits: chunks.div_ceil(per),
             per,
+            stages,
         })
     }
 
@@ -277,6 +307,7 @@ impl Plan {
             ("MIN_CUBES", self.min_cubes),
             ("XS_TOKENS", self.m),
             ("XS_CHUNKS", self.per),
+            ("STAGES", self.stages),
         ]);
         text.push_str(SOURCE);
         text
@@ -472,13 +503,44 @@ mod tests {
     #[test]
     fn slices_fit_the_shared_copy_of_x() {
         let k = Knobs::DEFAULT;
-        assert_eq!(max_slice_chunks(1), 167);
+        assert_eq!(max_slice_chunks(1, 0), 167);
         let p = Plan::new(&[4096], 8, 8192, 132, k, false).unwrap();
-        assert!(p.per <= max_slice_chunks(8) && p.per * p.splits >= 64);
+        assert!(p.per <= max_slice_chunks(8, 0) && p.per * p.splits >= 64);
         assert!(8 * (64 * p.per + 16) <= XS_WORDS);
         assert!(Plan::new(&[3584, 512], 8, 3584, 132, k, true).is_none());
         let down32 = Plan::new(&[5120], 1, 27648, 132, k, false).unwrap();
         assert!(down32.per <= 167 && down32.splits >= 2);
+    }
+
+    /// At one token the shared ring is taken, and the ring, the copy of `X` and the scale
+    /// table stay within the static shared memory (the warps' sums live in the ring); where an
+    /// unsplit launch would not fit beside the ring, the register ring is taken.
+    #[test]
+    fn the_shared_ring_fits() {
+        let k = Knobs::DEFAULT;
+        assert!(k.stages > 0);
+        for (ns, kd, unsplit) in [
+            (&[18944, 18944][..], 3584, true),
+            (&[3584, 512, 512][..], 3584, true),
+            (&[3584][..], 18944, false),
+            (&[27648, 27648][..], 5120, true),
+            (&[5120][..], 27648, false),
+        ] {
+            for stages in 1..=4 {
+                let p = Plan::new(ns, 1, kd, 132, Knobs { stages, ..k }, unsplit).unwrap();
+                assert_eq!(p.stages, stages, "{ns:?} {kd}");
+                let xs = 4 * (64 * p.per + 16);
+                assert!(
+                    STAB_BYTES + stages * RING_STAGE_BYTES + xs <= SHARED_BYTES,
+                    "{p:?}"
+                );
+            }
+            let at8 = Plan::new(ns, 8, kd, 132, k, unsplit);
+            assert!(at8.is_none_or(|p| p.stages == 0));
+        }
+        // 100 chunks unsplit do not fit beside four stages: the register ring.
+        let wide = Plan::new(&[4096], 1, 12800, 132, Knobs { stages: 4, ..k }, true);
+        assert!(wide.is_some_and(|p| p.stages == 0));
     }
 
     /// The text carries every `#define` the kernel reads, and is ASCII (NVRTC takes it as is).
@@ -497,6 +559,7 @@ mod tests {
             "SEGMENTS 1",
             "MIN_CUBES 3",
             "XS_TOKENS 1",
+            "STAGES 3",
         ] {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }
