@@ -19,9 +19,9 @@
 // DEPTH, so the ring needs no register moves); or, with STAGES > 0 (one row tile a warp), of
 // STAGES chunks in a ring in shared memory filled by `cp.async`, which holds no registers while
 // the bytes are on their way (off by default: gemv_mma.rs `Knobs::DEFAULT` says why). `X` of
-// the cube's K-slice is copied once into shared memory in that order, each lane's four `B` registers of a word in one 16-byte entry
-// (entry (cl*4 + q)*4 + t of a token: the four lanes of a quad read 64 contiguous bytes, and at
-// batch 1 the eight quads read the same ones).
+// the cube's K-slice is copied once into shared memory in that order, each lane's four `B`
+// registers of a word in one 16-byte entry (entry (cl*4 + q)*4 + t of a token: the four lanes
+// of a quad read 64 contiguous bytes, and at batch 1 the eight quads read the same ones).
 //
 // Decoding: each code's sign and three magnitude bits placed into a bf16 (the value times
 // 2^-126; 2^63 of that is folded into the block scale, the rest onto the f32 sums at the end:
