@@ -354,7 +354,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     for (int d = 0; d < STAGES; ++d) {
         const int c = first + d * KP;
         if (c < c1)
-            issue_chunk(ring_slots + d * RING_WORDS * 4, codes, scales, row_vec, scale_row, lane, c);
+            issue_chunk(ring_slots + d * RING_WORDS * 4, codes, scales, row_vec, scale_row, lane,
+                        c);
         cp_async_commit();
     }
     (void)row_word;
