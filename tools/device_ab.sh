@@ -43,8 +43,11 @@ elif [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${CHECK1:-0}" = 1 ]; then
   echo "== check at batch 1"
+  # The exit status and any panic too: a check that hangs or panics prints no check line.
   timeout -k 5 200 /tmp/qm/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 --batch 1 \
-    --prompt 256 --new-tokens 16 2>&1 | grep -E "^\| qwen|check|error"
+    --prompt 256 --new-tokens 16 > "$OUT/check1.txt" 2>&1
+  echo "check exit status: $? (124: timed out)"
+  grep -E "^\| qwen|check|error|panicked" "$OUT/check1.txt" | cut -c1-300
 fi
 bench() { # env... -- batch check
   timeout -k 5 ${RUN_T:-150} "$@" 2>&1 | grep -E "^\| qwen|check|error" ; }
