@@ -5,7 +5,8 @@
 # rollout at batch AB_BATCH (64) under AB_VARIANTS alternating ROUNDS (3) times (wall time),
 # then batch 256 under VARIANTS256 (the first with the benchmark's check unless CHECK=0), then
 # (SASS=1) ptxas registers and spills of the warpgroup kernel per SASS_VARIANTS, then
-# (PROFILE="name:ENV@64 ...") tools/device_step_profile.sh's per-kernel GPU time of a step.
+# (PROFILE="name:ENV@64 ...") tools/device_step_profile.sh's per-kernel GPU time of a step
+# (OLD_PROFILE: the same for the OLD_TGZ build).
 # ENGINE_TESTS="filter ...": the engine's CUDA tests matching these filters instead of the
 # segment tests (carry .device/kernels_cuda, stripped; session 28: the tensor-core LoRA
 # down-projections).
@@ -13,6 +14,7 @@
 # SHAPE=qwen2.5-32b among the ENV picks the model shape (session 31).
 # KTESTS: the kernel tests' filter (the segment tests on the warpgroup kernel by default).
 # CHECK1=1: the benchmark's check at batch 1 (16 new tokens) before the timings.
+# SANITIZE="ENV=v,...": compute-sanitizer on the kernel tests SANITIZE_TESTS, last.
 # Carry .device/qerl.tar.gz and .device/kernels.xz. There: bash tools/device_ab.sh
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
@@ -20,6 +22,12 @@ mkdir -p "$OUT"
 source tools/device_cache.sh
 source tools/device_cuda_libs.sh > /dev/null
 mkdir -p /tmp/qm && tar -xzf .device/qerl.tar.gz -C /tmp/qm
+# OLD_TGZ: a baseline build's tarball, unpacked to /tmp/qm-old; a variant (AB_VARIANTS, EXTRA)
+# whose environment holds QERL_BIN=/tmp/qm-old/qerl runs it (session 32).
+if [ -n "${OLD_TGZ:-}" ]; then mkdir -p /tmp/qm-old && tar -xzf "$OLD_TGZ" -C /tmp/qm-old; fi
+bin_of() { # env words -> the binary they name (QERL_BIN), else the carried one
+  local b=/tmp/qm/qerl e; for e in "$@"; do [ "${e%%=*}" = QERL_BIN ] && b=${e#QERL_BIN=}; done
+  echo "$b"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ
 if [ -n "${ENGINE_TESTS:-}" ]; then
   chmod +x .device/kernels_cuda
@@ -54,7 +62,7 @@ bench() { # env... -- batch check
 for i in $(seq 1 ${ROUNDS:-3}); do
   for v in ${AB_VARIANTS:-old:QERL_LORA_INSIDE=0,QERL_RESIDUAL_PARTS=0 new:}; do
     name=${v%%:*}; IFS=, read -ra ev <<< "${v#*:}"
-    r=$(env "${ev[@]}" timeout -k 5 150 /tmp/qm/qerl bench rollout --shape qwen2.5-7b \
+    r=$(env "${ev[@]}" timeout -k 5 150 "$(bin_of "${ev[@]}")" bench rollout --shape qwen2.5-7b \
       --precision nvfp4 --batch ${AB_BATCH:-64} --prompt 256 --new-tokens 128 --no-check 2>/dev/null |
       grep "| qwen" | awk -F'|' '{print $6, $8}')
     echo "ab $i $name: ms/step, decode tokens/s = $r"
@@ -86,7 +94,7 @@ for v in ${EXTRA:-}; do
   name=${v%%:*}; spec=${v#*:}; IFS=, read -ra ev <<< "${spec%@*}"
   shape=qwen2.5-7b
   for e in "${ev[@]}"; do [ "${e%%=*}" = SHAPE ] && shape=${e#SHAPE=}; done
-  r=$(env "${ev[@]}" timeout -k 5 150 /tmp/qm/qerl bench rollout --shape "$shape" \
+  r=$(env "${ev[@]}" timeout -k 5 150 "$(bin_of "${ev[@]}")" bench rollout --shape "$shape" \
     --precision nvfp4 --batch "${spec##*@}" --prompt 256 --new-tokens 128 --no-check 2>/dev/null |
     grep "| qwen" | awk -F'|' '{print $6, $8}')
   echo "extra $name (batch ${spec##*@}): ms/step, decode tokens/s = $r"
@@ -124,4 +132,27 @@ done
 if [ -n "${PROFILE:-}" ]; then
   # shellcheck disable=SC2086 # the variants are words
   TOP=${TOP:-22} bash tools/device_step_profile.sh $PROFILE
+fi
+if [ -n "${OLD_PROFILE:-}" ] && [ -n "${OLD_TGZ:-}" ]; then
+  # shellcheck disable=SC2086 # the variants are words
+  QERL_TGZ=$OLD_TGZ TOP=${TOP:-22} bash tools/device_step_profile.sh $OLD_PROFILE
+  tar -xzf .device/qerl.tar.gz -C /tmp
+fi
+# SANITIZE="ENV=v,...": compute-sanitizer (SANITIZE_TOOLS: memcheck, racecheck, synccheck) on
+# the kernel tests SANITIZE_TESTS under those variables (session 32: the shared ring's
+# hang); last, after the timings.
+if [ -n "${SANITIZE:-}" ]; then
+  xz -dkf .device/kernels.xz && chmod +x .device/kernels
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  IFS=, read -ra sev <<< "$SANITIZE"
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    start=$SECONDS
+    # shellcheck disable=SC2086 # the filters are words
+    env "${sev[@]}" timeout -k 10 ${SANITIZE_T:-150} "$cs" --tool $tool --print-limit 20 \
+      .device/kernels --ignored --test-threads=1 ${SANITIZE_TESTS:-cuda_bf16::matmul_decode_mma} \
+      > "$OUT/sanitize-$tool.txt" 2>&1
+    echo "== $tool ($SANITIZE): exit $? in $((SECONDS - start)) s"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|Barrier|test result|panicked" \
+      "$OUT/sanitize-$tool.txt" | sort | uniq -c | sort -rn | cut -c1-220 | head -12
+  done
 fi

@@ -8,5 +8,6 @@ export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 source tools/device_cache.sh
 source tools/device_cuda_libs.sh > "$OUT/cuda-libs.txt"
-tar -xzf .device/qerl.tar.gz -C /tmp
+# QERL_TGZ: another build's tarball (a baseline binary carried beside the new one).
+tar -xzf "${QERL_TGZ:-.device/qerl.tar.gz}" -C /tmp
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"

@@ -102,6 +102,13 @@ pub(crate) fn cached<K: Hash + Eq + Clone>(
         .clone()
 }
 
+/// 1 where `QERL_SPREAD_SHIFTS=1` asks the 4-bit products' decoding for the two shifts and two
+/// masks a code pair of sessions 12-31 instead of the multiply (an A/B experiment).
+pub(crate) fn spread_shifts() -> usize {
+    static ON: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::device::env_knob("QERL_SPREAD_SHIFTS", &|v| v <= 1, 0))
+}
+
 /// `#define NAME value` lines for a kernel's configuration, ahead of its text.
 pub(crate) fn defines(values: &[(&str, usize)]) -> String {
     values

@@ -48,6 +48,22 @@ pub fn gemv_mma_launches() -> usize {
         0
     }
 }
+
+/// Sets the fewest chunks a warp of the decode kernel on tensor cores must walk at one token for
+/// it to take the shared ring of chunks in flight (default 6; 0: wherever it fits), returning
+/// the previous value: tests reach the ring on small shapes with it. No effect without the
+/// `cuda` feature.
+pub fn set_gemv_mma_ring_min_chunks(chunks: usize) -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        crate::gemv_mma::set_ring_min_chunks(chunks)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = chunks;
+        0
+    }
+}
 pub use crate::tune::{
     cublas_min_m, cublas_usable, set_strategy, strategy, Strategy, TileConfig,
     DEFAULT_CUBLAS_MIN_M, STRATEGY_ENV,

@@ -18,20 +18,22 @@
 // Codes and scales of DEPTH chunks are in flight per warp, in registers (the loop is unrolled by
 // DEPTH, so the ring needs no register moves); or, with STAGES > 0 (one row tile a warp), of
 // STAGES chunks in a ring in shared memory filled by `cp.async`, which holds no registers while
-// the bytes are on their way (off by default: gemv_mma.rs `Knobs::DEFAULT` says why). `X` of
+// the bytes are on their way (the default: gemv_mma.rs `Knobs::DEFAULT` says why). `X` of
 // the cube's K-slice is copied once into shared memory in that order, each lane's four `B`
 // registers of a word in one 16-byte entry (entry (cl*4 + q)*4 + t of a token: the four lanes
 // of a quad read 64 contiguous bytes, and at batch 1 the eight quads read the same ones).
 //
 // Decoding: each code's sign and three magnitude bits placed into a bf16 (the value times
 // 2^-126; 2^63 of that is folded into the block scale, the rest onto the f32 sums at the end:
-// powers of two, exact), times the block scale as a bf16 pair: the staged kernel's numbers.
+// powers of two, exact; `spread_bits`), times the block scale as a bf16 pair: the staged
+// kernel's numbers.
 //
 // The host prepends: WARPS, KP (warps a row group), RT, M_TILES, BLOCK (16 NVFP4, 32 MXFP4),
 // DEPTH, HAS_BIAS, HAS_LORA, SPLIT (f32 partial sums per K-slice, one weight only), SEGMENTS,
 // MIN_CUBES (cubes a multiprocessor must hold: caps the registers), XS_TOKENS and XS_CHUNKS
 // (the tokens and 128-deep chunks the shared copy of `X` holds: M and the slice's chunks),
-// STAGES (0: the register ring of DEPTH chunks).
+// STAGES (0: the register ring of DEPTH chunks), SPREAD_SHIFTS (1: the decoding's shifts of
+// sessions 12-31 instead of the multiply, for A/B runs).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -74,10 +76,29 @@ __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
     return d;
 }
 
-// Codes i and i + 4 of an E2M1 word as a bf16 pair times 2^-126 (staged.rs' spread_bits).
+// w >> 8 as the high word of w * 2^24: on the FMA pipe (`IMAD.HI`), not the ALU pipe.
+__device__ __forceinline__ u32 shr8_fma(u32 w) {
+    u32 d;
+    asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(w), "r"(1u << 24));
+    return d;
+}
+
+// Codes i and i + 4 of an E2M1 word as a bf16 pair times 2^-126 (staged.rs' spread_bits):
+// each code's magnitude bits at 6..8 and its sign at 15 of its half. The two codes' nibbles
+// are masked out (after a shift by 8 for i >= 2) and one multiply places both copies each
+// needs, at +a (magnitude) and +a + 6 (sign), a = 6 or 2: the copies do not overlap, so the
+// product is their OR; a mask keeps the placed bits. Three instructions a pair, one of them
+// on the FMA pipe, where shifting both copies took two shifts and two masks (the ALU pipe
+// throttled the K loop: docs/design/w4a16-pipeline.md section 14).
 __device__ __forceinline__ u32 spread_bits(u32 word, int i) {
-    u32 v = word >> (4 * i);
-    return ((v << 6) & 0x01C001C0u) | ((v << 12) & 0x80008000u);
+#if SPREAD_SHIFTS
+    const u32 s = word >> (4 * i);
+    return ((s << 6) & 0x01C001C0u) | ((s << 12) & 0x80008000u);
+#else
+    const u32 v = (i >> 1) ? shr8_fma(word) : word;
+    const u32 z = v & (0x000F000Fu << (4 * (i & 1)));
+    return (z * ((i & 1) ? 260u : 4160u)) & 0x81C081C0u;
+#endif
 }
 
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
@@ -128,13 +149,11 @@ __device__ __forceinline__ void load_chunk(
     }
 }
 
-// A word's four spread pairs (codes i and i + 4, i = 0..3) as bf16 pairs times 2^-126: seven
-// shifts and eight masks for the eight codes.
+// A word's four spread pairs (codes i and i + 4, i = 0..3) as bf16 pairs times 2^-126: one
+// shift, four masks, four multiplies and four masks for the eight codes.
 __device__ __forceinline__ void spread_word(u32 w, u32 (&p)[4]) {
-    p[0] = ((w << 6) & 0x01C001C0u) | ((w << 12) & 0x80008000u);
-    p[1] = ((w << 2) & 0x01C001C0u) | ((w << 8) & 0x80008000u);
-    p[2] = ((w >> 2) & 0x01C001C0u) | ((w << 4) & 0x80008000u);
-    p[3] = ((w >> 6) & 0x01C001C0u) | (w & 0x80008000u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = spread_bits(w, i);
 }
 
 // The 8 steps of one chunk: decode, scale, `mma` into the accumulators of the step's parity.
@@ -142,15 +161,15 @@ __device__ __forceinline__ void spread_word(u32 w, u32 (&p)[4]) {
 // within the cube's slice.
 __device__ __forceinline__ void compute_chunk(
     const u32x4 (&w)[RT][2], const u32 (&s)[RT][2], const u32* const (&xs)[M_TILES], int cl,
-    const u32* stab, int s_shift, float* acc) {
+    const u32* stab, u32 s_sel, float* acc) {
     u32 sc[RT][2][LANE_BLOCKS];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const u32 v = s[r][h] >> s_shift;
 #pragma unroll
-            for (int b = 0; b < LANE_BLOCKS; ++b) sc[r][h][b] = stab[(v >> (8 * b)) & 0xffu];
+            for (int b = 0; b < LANE_BLOCKS; ++b)
+                sc[r][h][b] = stab[byte_perm(s[r][h], 0u, s_sel + b)];
         }
     }
 #pragma unroll
@@ -341,8 +360,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
         }
     }
     // Where the lane's scale bytes sit in its word: blocks 2t, 2t + 1 of the chunk's 8
-    // (NVFP4), block t of 4 (MXFP4).
-    const int s_shift = BLOCK == 16 ? 16 * (t & 1) : 8 * t;
+    // (NVFP4), block t of 4 (MXFP4); as a `prmt` selector of that byte (the next block's is
+    // one more), the other three bytes zero: the byte is the table index.
+    const u32 s_sel = 0x4440u + (BLOCK == 16 ? 2 * (t & 1) : t);
 
     const int first = c0 + kpart;
     // The first loads go out before `X` is copied and the scale table is built.
@@ -424,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
         const int sw = RING_CODE_WORDS + (BLOCK == 16 ? (t >> 1) : 0);
         s[0][0] = rs[sw + g * (ROW_SCALE_BYTES / 4)];
         s[0][1] = rs[sw + (g + 8) * (ROW_SCALE_BYTES / 4)];
-        compute_chunk(w, s, xs_lane, c - c0, stab, s_shift, acc);
+        compute_chunk(w, s, xs_lane, c - c0, stab, s_sel, acc);
         __syncwarp();
         const int cn = c + STAGES * KP;
         if (cn < c1)
@@ -439,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
         for (int d = 0; d < DEPTH; ++d) {
             const int c = cb + d * KP;
             if (c < c1) {
-                compute_chunk(wq[d], sq[d], xs_lane, c - c0, stab, s_shift, acc);
+                compute_chunk(wq[d], sq[d], xs_lane, c - c0, stab, s_sel, acc);
                 const int cn = c + DEPTH * KP;
                 if (cn < c1) load_chunk(wq[d], sq[d], codes, scale_bytes, row_vec, row_word, cn);
             }

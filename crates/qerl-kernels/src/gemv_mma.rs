@@ -53,6 +53,20 @@ const STAB_BYTES: usize = 1024;
 /// 16 rows of one chunk, 64 bytes of codes and (NVFP4, the larger) 8 scale bytes a row.
 const RING_STAGE_BYTES: usize = WARPS * 16 * (CHUNK / 2 + CHUNK / 16);
 
+/// Fewest chunks a warp walks for the shared ring to be taken: on an H200 (2026-11-29, ncu, a
+/// 7B step at batch 1) the ring took gate/up (7 chunks a warp) from 31.5 to 30.9 µs and down
+/// (13) from 19.7 to 19.0, but q/k/v (4) from 9.1 to 9.7; the one-wave products of a few
+/// chunks a warp keep the register ring.
+const RING_MIN_CHUNKS: usize = 6;
+/// [`RING_MIN_CHUNKS`], or what a test set ([`set_ring_min_chunks`]).
+static RING_MIN: AtomicUsize = AtomicUsize::new(RING_MIN_CHUNKS);
+
+/// Sets the fewest chunks a warp walks for the shared ring (tests: 0 takes it wherever it
+/// fits); returns the previous value.
+pub(crate) fn set_ring_min_chunks(chunks: usize) -> usize {
+    RING_MIN.swap(chunks, Ordering::Relaxed)
+}
+
 /// Most chunks of a K-slice whose `X` fits the shared copy at `m` tokens (its layout:
 /// `m · (64 · chunks + 16)` words) beside a ring of `stages` (the warps' sums then live in
 /// the ring).
@@ -68,8 +82,8 @@ fn max_slice_chunks(m: usize, stages: usize) -> usize {
 /// kernel off, `QERL_GEMV_MMA_RT` (1, 2) sets the 16-row tiles a warp, `QERL_GEMV_MMA_DEPTH`
 /// (1 to 4) the chunks in flight, `QERL_GEMV_MMA_CUBES` (1 to 4) the cubes a multiprocessor
 /// must hold (the register cap), `QERL_GEMV_MMA_KP` (1, 2, 4, 8) the warps a row group,
-/// `QERL_GEMV_MMA_STAGES` (0 to 4) the chunks of the shared ring at one token (0, the
-/// default: the register ring of `depth` chunks).
+/// `QERL_GEMV_MMA_STAGES` (0 to 4) the chunks of the shared ring at one token (3 by default;
+/// 0: the register ring of `depth` chunks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Knobs {
     pub enabled: bool,
@@ -87,18 +101,21 @@ impl Knobs {
     /// call) 2, 3 and 4 took the step in 3.29, 3.34 and 3.47 ms of GPU time (gate/up 33.6,
     /// 35.1, 36.9 µs), 80 registers each (three 8-warp cubes a multiprocessor).
     ///
-    /// The shared ring is off by default: on an H200 (2026-11-29) three stages took gate/up
-    /// from 32.6 to 31.2 µs and down from 20.3 to 19.4 at 7B, and the 32B step from
-    /// 10.81-10.89 to 10.43-10.51 ms in two calls but not in a third; and in the last two
-    /// calls the benchmark's check hung with it (with a copy of `X` that batched its loads,
-    /// since reverted), which is not understood (docs/benchmarks/rollout.md, session 31).
+    /// The shared ring of three stages at one token, where a warp walks at least
+    /// [`RING_MIN_CHUNKS`] chunks: on an H200 (2026-11-29) it took gate/up from 32.6 to 31.2
+    /// µs and down from 20.3 to 19.4 at 7B, and the 32B step from 10.81-10.89 to 10.43-10.51
+    /// ms in two calls of session 31 (equal in a third) and from 10.60 to 10.33 in session
+    /// 32's. It was off in session 31 because the benchmark's check hung in two calls, both
+    /// with a copy of `X` that batched its loads (reverted); the ring without it passed the
+    /// check in both sessions, and compute-sanitizer's racecheck and memcheck on the kernel
+    /// tests (docs/benchmarks/rollout.md, session 32).
     pub(crate) const DEFAULT: Knobs = Knobs {
         enabled: true,
         rt: 1,
         depth: 2,
         min_cubes: 3,
         kp: 0,
-        stages: 0,
+        stages: 3,
     };
 
     fn get() -> Knobs {
@@ -207,7 +224,8 @@ impl Plan {
     /// `knobs.min_cubes` cubes a multiprocessor, each slice's `X` fitting the shared copy.
     /// Waves count: at batch 1 the kernel is bound by issue, so a partial last wave idles
     /// the multiprocessors it leaves out. The shared ring (`knobs.stages`) is taken at one
-    /// token with one row tile a warp, where an unsplit launch still fits it. `None`:
+    /// token with one row tile a warp, where an unsplit launch still fits it and a warp walks
+    /// at least [`RING_MIN_CHUNKS`] chunks. `None`:
     /// `unsplit` and `X` does not fit.
     pub(crate) fn new(
         ns: &[usize],
@@ -271,6 +289,9 @@ impl Plan {
             }
         }
         if let Some((_, plan)) = best {
+            if plan.stages > 0 && plan.per.div_ceil(plan.kp) < RING_MIN.load(Ordering::Relaxed) {
+                return Plan::new(ns, m, k, sms, Knobs { stages: 0, ..knobs }, unsplit);
+            }
             return Some(plan);
         }
         // Forced or too few slices for the shared copy of `X`: the fewest that fit.
@@ -314,6 +335,7 @@ impl Plan {
             ("XS_TOKENS", self.m),
             ("XS_CHUNKS", self.per),
             ("STAGES", self.stages),
+            ("SPREAD_SHIFTS", cuda_source::spread_shifts()),
         ]);
         text.push_str(SOURCE);
         text
@@ -520,7 +542,8 @@ mod tests {
 
     /// At one token the shared ring is taken, and the ring, the copy of `X` and the scale
     /// table stay within the static shared memory (the warps' sums live in the ring); where an
-    /// unsplit launch would not fit beside the ring, the register ring is taken.
+    /// unsplit launch would not fit beside the ring, or a warp would walk fewer than
+    /// [`RING_MIN_CHUNKS`] chunks, the register ring is taken.
     #[test]
     fn the_shared_ring_fits() {
         let k = Knobs {
@@ -529,9 +552,9 @@ mod tests {
         };
         for (ns, kd, unsplit) in [
             (&[18944, 18944][..], 3584, true),
-            (&[3584, 512, 512][..], 3584, true),
             (&[3584][..], 18944, false),
             (&[27648, 27648][..], 5120, true),
+            (&[5120, 1024, 1024][..], 5120, true),
             (&[5120][..], 27648, false),
         ] {
             for stages in 1..=4 {
@@ -546,9 +569,46 @@ mod tests {
             let at8 = Plan::new(ns, 8, kd, 132, k, unsplit);
             assert!(at8.is_none_or(|p| p.stages == 0));
         }
+        // 7B's q/k/v and o, one wave of four chunks a warp: the register ring.
+        for (ns, unsplit) in [(&[3584, 512, 512][..], true), (&[3584][..], false)] {
+            let p = Plan::new(ns, 1, 3584, 132, k, unsplit).unwrap();
+            assert_eq!((p.stages, p.per.div_ceil(p.kp)), (0, 4), "{ns:?}");
+        }
         // 100 chunks unsplit do not fit beside four stages: the register ring.
         let wide = Plan::new(&[4096], 1, 12800, 132, Knobs { stages: 4, ..k }, true);
         assert!(wide.is_some_and(|p| p.stages == 0));
+    }
+
+    /// `spread_bits` in `gemv_mma.cu` and `warpgroup.cu` places a code pair with one multiply
+    /// where sessions 12-31 shifted twice: the same bits for every word (both depend on the
+    /// pair's two nibbles only, so every pair of nibbles at every place is every case).
+    #[test]
+    fn the_multiply_places_what_the_shifts_placed() {
+        let shifts = |w: u32, i: u32| {
+            let s = w >> (4 * i);
+            ((s << 6) & 0x01C0_01C0) | ((s << 12) & 0x8000_8000)
+        };
+        let multiply = |w: u32, i: u32| {
+            let v = if i >= 2 {
+                ((w as u64 * (1 << 24)) >> 32) as u32
+            } else {
+                w
+            };
+            let z = v & (0x000F_000F << (4 * (i & 1)));
+            z.wrapping_mul(if i & 1 == 1 { 260 } else { 4160 }) & 0x81C0_81C0
+        };
+        for i in 0..4 {
+            for lo in 0..16u32 {
+                for hi in 0..16u32 {
+                    // The pair's nibbles, and every other nibble set (they must not leak in).
+                    let pair = (lo << (4 * i)) | (hi << (4 * i + 16));
+                    let rest = !((0xF << (4 * i)) | (0xF << (4 * i + 16)));
+                    for w in [pair, pair | rest, pair | (rest & 0x5A5A_A5A5)] {
+                        assert_eq!(multiply(w, i), shifts(w, i), "word {w:#010x} pair {i}");
+                    }
+                }
+            }
+        }
     }
 
     /// The text carries every `#define` the kernel reads, and is ASCII (NVRTC takes it as is).

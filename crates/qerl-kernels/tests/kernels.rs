@@ -1767,8 +1767,10 @@ pub fn matmul_decode<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol
 /// decode kernel elsewhere): M 1, 3 and 8 (the batch `mma` kernel held off below 9 rows), NVFP4
 /// and MXFP4, N not a multiple of 16, with bias and LoRA of rank 16 or 6 or neither, unsplit,
 /// with forced 3 and 7 K-slices and a chosen split (deep K), the unreduced slices adding up to
-/// the reduced output bit for bit; then q/k/v- and gate/up-like segments. Outputs poisoned,
-/// against the f64 reference. With `QERL_GEMV_MMA_EXPECT=1`, checks that the kernel ran.
+/// the reduced output bit for bit; then q/k/v- and gate/up-like segments. M = 1 takes the
+/// shared ring of chunks in flight (`QERL_GEMV_MMA_STAGES`, three by default) wherever it fits.
+/// Outputs poisoned, against the f64 reference. With `QERL_GEMV_MMA_EXPECT=1`, checks that the
+/// kernel ran.
 pub fn matmul_decode_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
     let c = R::client(device);
     if !supported::<R, F>(&c) {
@@ -1777,6 +1779,12 @@ pub fn matmul_decode_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device,
     let _mma = mma_guard(gemm::MmaOptions {
         min_m: 9,
         ..gemm::mma_options()
+    });
+    // The shared ring wherever it fits at M = 1 (the engine's plans keep it to walks of six
+    // chunks or more, which these shapes do not reach); M = 3 and 8 take the register ring.
+    let before_ring = gemm::set_gemv_mma_ring_min_chunks(0);
+    let _ring = Restore::set(0, before_ring, |n| {
+        gemm::set_gemv_mma_ring_min_chunks(n);
     });
     let before = gemm::gemv_mma_launches();
     let (mut rng, seed) = fresh_rng();

@@ -92,6 +92,7 @@ impl Config {
             ("SBO", sbo),
             ("FOLD_NT", self.segments * self.fold_rank / 8),
             ("FOLD_RANK", self.fold_rank),
+            ("SPREAD_SHIFTS", cuda_source::spread_shifts()),
         ]);
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
