@@ -2,9 +2,10 @@
 """SASS of a hand-written CUDA kernel without a GPU (session 32).
 
 Compiles one of the kernels' texts (`crates/qerl-kernels/src/*.cu`) with the `#define`s its
-launcher prepends, through NVRTC to an sm_90a cubin, disassembles it, and prints the registers,
-the stack (spills) and the instruction mix of the kernel's hottest loop: the backward branch
-whose body holds the most instructions matching `--key` (HMMA: `mma.sync`; HGMMA: `wgmma`).
+launcher prepends (and `e2m1_spread.cu`, which it prepends to the 4-bit products), through
+NVRTC to an sm_90a cubin, disassembles it, and prints the registers, the stack (spills) and
+the instruction mix of the kernel's hottest loop: the backward branch whose body holds the
+most instructions matching `--key` (HMMA: `mma.sync`; HGMMA: `wgmma`).
 Counting instructions and pipes here costs no device time; what they cost in time still needs
 the GPU (tools/device_ab.sh).
 
@@ -122,6 +123,9 @@ def main():
     ap.add_argument("--key", default="HMMA", help="the hottest loop holds most of these")
     ap.add_argument("--wgmma-n", type=int, help="warpgroup.cu: its wgmma_step for N tokens")
     ap.add_argument("--sass", help="also write the whole SASS here")
+    ap.add_argument("--prepend", action="append", default=None,
+                    help="texts the launcher puts after the defines (default: e2m1_spread.cu "
+                         "for a kernel that calls spread_bits)")
     ap.add_argument("--tools", default=os.path.expanduser("~/.cache/qerl-sass"))
     a = ap.parse_intermixed_args()
     nvrtc, nvdisasm_dir, cuobjdump = tools_dir(a.tools)
@@ -129,6 +133,12 @@ def main():
     if a.wgmma_n:
         text = text.replace("// @wgmma_step@", wgmma_step(a.wgmma_n))
     head = "".join("#define {} {}\n".format(*d.split("=", 1)) for d in a.defines)
+    prepend = a.prepend
+    if prepend is None:
+        spread = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "crates",
+                              "qerl-kernels", "src", "e2m1_spread.cu")
+        prepend = [spread] if "spread_bits(" in text and "int spread_bits(" not in text else []
+    head += "".join(open(p).read() for p in prepend)
     cubin = os.path.join(a.tools, "k.cubin")
     open(cubin, "wb").write(compile_cubin(nvrtc, head + text))
     env = dict(os.environ, PATH=nvdisasm_dir + os.pathsep + os.environ.get("PATH", ""))

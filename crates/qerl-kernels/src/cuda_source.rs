@@ -102,6 +102,10 @@ pub(crate) fn cached<K: Hash + Eq + Clone>(
         .clone()
 }
 
+/// The E2M1 pair decoding the 4-bit products share (`spread_bits`), prepended to their texts
+/// after the `#define`s.
+pub(crate) const E2M1_SPREAD: &str = include_str!("e2m1_spread.cu");
+
 /// 1 where `QERL_SPREAD_SHIFTS=1` asks the 4-bit products' decoding for the two shifts and two
 /// masks a code pair of sessions 12-31 instead of the multiply (an A/B experiment).
 pub(crate) fn spread_shifts() -> usize {

@@ -76,30 +76,8 @@ __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
     return d;
 }
 
-// w >> 8 as the high word of w * 2^24: on the FMA pipe (`IMAD.HI`), not the ALU pipe.
-__device__ __forceinline__ u32 shr8_fma(u32 w) {
-    u32 d;
-    asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(w), "r"(1u << 24));
-    return d;
-}
-
-// Codes i and i + 4 of an E2M1 word as a bf16 pair times 2^-126 (staged.rs' spread_bits):
-// each code's magnitude bits at 6..8 and its sign at 15 of its half. The two codes' nibbles
-// are masked out (after a shift by 8 for i >= 2) and one multiply places both copies each
-// needs, at +a (magnitude) and +a + 6 (sign), a = 6 or 2: the copies do not overlap, so the
-// product is their OR; a mask keeps the placed bits. Three instructions a pair, one of them
-// on the FMA pipe, where shifting both copies took two shifts and two masks (the ALU pipe
-// throttled the K loop: docs/design/w4a16-pipeline.md section 14).
-__device__ __forceinline__ u32 spread_bits(u32 word, int i) {
-#if SPREAD_SHIFTS
-    const u32 s = word >> (4 * i);
-    return ((s << 6) & 0x01C001C0u) | ((s << 12) & 0x80008000u);
-#else
-    const u32 v = (i >> 1) ? shr8_fma(word) : word;
-    const u32 z = v & (0x000F000Fu << (4 * (i & 1)));
-    return (z * ((i & 1) ? 260u : 4160u)) & 0x81C081C0u;
-#endif
-}
+// `spread_bits` (codes i and i + 4 of an E2M1 word as a bf16 pair): e2m1_spread.cu, which the
+// host prepends.
 
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
     u32 d;

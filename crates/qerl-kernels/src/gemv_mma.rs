@@ -318,7 +318,8 @@ impl Plan {
         16 * self.rt * (WARPS / self.kp)
     }
 
-    /// The kernel text for this plan and these flags.
+    /// The kernel text for this plan and these flags: the configuration, the shared E2M1
+    /// decoding (`e2m1_spread.cu`), then `gemv_mma.cu`.
     fn source(&self, block: usize, flags: (bool, bool), segments: usize) -> String {
         let mut text = cuda_source::defines(&[
             ("WARPS", WARPS),
@@ -337,6 +338,7 @@ impl Plan {
             ("STAGES", self.stages),
             ("SPREAD_SHIFTS", cuda_source::spread_shifts()),
         ]);
+        text.push_str(cuda_source::E2M1_SPREAD);
         text.push_str(SOURCE);
         text
     }
@@ -632,6 +634,7 @@ mod tests {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }
         assert!(s.contains(&format!("#define KP {}\n", p.kp)));
+        assert_eq!(s.matches("unsigned int spread_bits(").count(), 1);
         assert!(s.contains(&format!("#define XS_CHUNKS {}\n", p.per)));
         assert!(s.contains(&format!("#define SPLIT {}\n", (p.splits > 1) as usize)));
         assert!(s.is_ascii());

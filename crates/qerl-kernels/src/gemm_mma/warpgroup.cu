@@ -81,27 +81,8 @@ typedef u16 out_t;
 // No header is included: NVRTC compiles this text as it is.
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
-// w >> 8 as the high word of w * 2^24: on the FMA pipe (`IMAD.HI`), not the ALU pipe.
-__device__ __forceinline__ u32 shr8_fma(u32 w) {
-    u32 d;
-    asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(w), "r"(1u << 24));
-    return d;
-}
-
-// Codes i and i + 4 of an E2M1 word as a bf16 pair times 2^-126 (staged.rs' spread_bits), in
-// three instructions: the two nibbles masked out (after a shift by 8 for i >= 2), one multiply
-// placing both copies each needs (magnitude at 6..8, sign at 15 of its half), a mask (as
-// gemv_mma.cu, which says why).
-__device__ __forceinline__ u32 spread_bits(u32 word, int i) {
-#if SPREAD_SHIFTS
-    const u32 s = word >> (4 * i);
-    return ((s << 6) & 0x01C001C0u) | ((s << 12) & 0x80008000u);
-#else
-    const u32 v = (i >> 1) ? shr8_fma(word) : word;
-    const u32 z = v & (0x000F000Fu << (4 * (i & 1)));
-    return (z * ((i & 1) ? 260u : 4160u)) & 0x81C081C0u;
-#endif
-}
+// `spread_bits` (codes i and i + 4 of an E2M1 word as a bf16 pair): e2m1_spread.cu, which the
+// host prepends.
 
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
     u32 d;

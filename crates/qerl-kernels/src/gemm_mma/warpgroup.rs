@@ -67,8 +67,8 @@ pub(crate) struct Config {
 }
 
 impl Config {
-    /// The full CUDA text: the configuration, then `warpgroup.cu` with `wgmma_step` for this
-    /// cube's tokens.
+    /// The full CUDA text: the configuration, the shared E2M1 decoding (`e2m1_spread.cu`),
+    /// then `warpgroup.cu` with `wgmma_step` for this cube's tokens.
     fn source(&self) -> String {
         let (lbo, sbo) = DESCRIPTOR_STRIDES;
         // The staged kernel's registers a unit (128: two 8-warp cubes a multiprocessor), which
@@ -94,6 +94,7 @@ impl Config {
             ("FOLD_RANK", self.fold_rank),
             ("SPREAD_SHIFTS", cuda_source::spread_shifts()),
         ]);
+        text.push_str(cuda_source::E2M1_SPREAD);
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
     }
@@ -262,6 +263,7 @@ mod tests {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }
         assert!(!s.contains("@wgmma_step@"));
+        assert_eq!(s.matches("unsigned int spread_bits(").count(), 1);
         assert!(s.is_ascii(), "NVRTC gets the text as it is");
         assert!(s.contains("m64n64k16.f32.bf16.bf16 {%0, %1,"));
         assert!(s.contains("%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;"));
