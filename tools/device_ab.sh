@@ -8,8 +8,8 @@
 # (PROFILE="name:ENV@64 ...") tools/device_step_profile.sh's per-kernel GPU time of a step
 # (OLD_PROFILE: the same for the OLD_TGZ build).
 # ENGINE_TESTS="filter ...": the engine's CUDA tests matching these filters instead of the
-# segment tests (carry .device/kernels_cuda, stripped; session 28: the tensor-core LoRA
-# down-projections).
+# segment tests (carry .device/kernels_cuda, stripped, or kernels_cuda.xz: a call carries 64 MiB;
+# session 28: the tensor-core LoRA down-projections).
 # EXTRA="name:ENV=v,ENV=v@batch ...": one more wall-time run each, at its batch (session 29);
 # SHAPE=qwen2.5-32b among the ENV picks the model shape (session 31).
 # KTESTS: the kernel tests' filter (the segment tests on the warpgroup kernel by default).
@@ -30,6 +30,7 @@ bin_of() { # env words -> the binary they name (QERL_BIN), else the carried one
   echo "$b"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ
 if [ -n "${ENGINE_TESTS:-}" ]; then
+  [ -f .device/kernels_cuda.xz ] && xz -dkf .device/kernels_cuda.xz
   chmod +x .device/kernels_cuda
   start=$SECONDS
   # shellcheck disable=SC2086 # the filters are words
