@@ -264,6 +264,70 @@ __device__ __forceinline__ void issue_chunk(
 }
 #endif
 
+// The copy of `X` of chunks c0 .. c0 + slice into `xs`: item i is 16 bytes (8 values) of a
+// token, so consecutive items are consecutive in memory; its four B registers (pairs (x0, x4),
+// (x1, x5), (x2, x6), (x3, x7)) go to entry (cl*4 + q)*4 + t.
+__device__ __forceinline__ void copy_x(
+    u32* xs, const u32x4* __restrict__ x, int m_rows, int k_dim, int c0, int slice, int tid) {
+    const int items = m_rows * slice * 16;
+    for (int i = tid; i < items; i += THREADS) {
+        const int tok = i / (slice * 16), rem = i - tok * slice * 16;
+        const int cl = rem >> 4, j = rem & 15, tt = j >> 2, q = j & 3;
+        const u32x4 v = x[tok * (k_dim / 8) + (c0 + cl) * 16 + j];
+        u32x4 e;
+        e.x = byte_perm(v.x, v.z, 0x5410u);
+        e.y = byte_perm(v.x, v.z, 0x7632u);
+        e.z = byte_perm(v.y, v.w, 0x5410u);
+        e.w = byte_perm(v.y, v.w, 0x7632u);
+        *(u32x4*)(xs + tok * XS_TOKEN_WORDS + ((cl * 4 + q) * 4 + tt) * 4) = e;
+    }
+}
+
+// A weight's 256 block scales times 2^63 as bf16 pairs (both halves the same).
+__device__ __forceinline__ void build_stab(u32* stab, const float* __restrict__ scale_table, int tid) {
+    for (int i = tid; i < 256; i += THREADS) {
+        const u32 h = bf16_of(scale_table[i] * TWO_POW_63);
+        stab[i] = h | (h << 16);
+    }
+}
+
+// Stores a warp's sums `res[(r*M_TILES + mt)*4 + 2h + e]` (weight row n0 + 16r + 8h + g, token
+// 8mt + 2t + e), with the bias where `epilogue`: into `y`, or slice `slice`'s partial sums.
+__device__ __forceinline__ void store_tile(
+    const float* res, int n0, int n_cols, int m_rows, const u16* __restrict__ bias, u16* y,
+    float* part, int slice, bool epilogue, int g, int t) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = n0 + 16 * r + 8 * h + g;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int m = 8 * mt + 2 * t + e;
+                    if (n < n_cols && m < m_rows) {
+                        float v = res[(r * M_TILES + mt) * 4 + 2 * h + e];
+#if HAS_BIAS
+                        if (epilogue) {
+                            float b;
+                            asm("mov.b32 %0, %1;" : "=f"(b) : "r"(((u32)bias[n]) << 16));
+                            v += b;
+                        }
+#endif
+#if SPLIT
+                        part[((long)slice * m_rows + m) * n_cols + n] = v;
+#else
+                        y[(long)m * n_cols + n] = (u16)bf16_of(v);
+#endif
+                    }
+                }
+            }
+        }
+    }
+}
+
+#if !WALK
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const u32x4* __restrict__ x,
     const u32x4* __restrict__ codes0, const u32* __restrict__ scale_bytes0,
@@ -374,28 +438,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     if (epilogue && kpart == 0)
         lora_frags(lora0, 0, lora_t, lora_b, lora_scale, rank, m_rows, n_cols, n0, g, t);
 #endif
-    // The copy of `X`: item i is 16 bytes (8 values) of a token, so consecutive items are
-    // consecutive in memory; its four B registers (pairs (x0, x4), (x1, x5), (x2, x6), (x3,
-    // x7)) go to entry (cl*4 + q)*4 + t.
-    {
-        const int slice = c1 - c0;
-        const int items = m_rows * slice * 16;
-        for (int i = tid; i < items; i += THREADS) {
-            const int tok = i / (slice * 16), rem = i - tok * slice * 16;
-            const int cl = rem >> 4, j = rem & 15, tt = j >> 2, q = j & 3;
-            const u32x4 v = x[tok * (k_dim / 8) + (c0 + cl) * 16 + j];
-            u32x4 e;
-            e.x = byte_perm(v.x, v.z, 0x5410u);
-            e.y = byte_perm(v.x, v.z, 0x7632u);
-            e.z = byte_perm(v.y, v.w, 0x5410u);
-            e.w = byte_perm(v.y, v.w, 0x7632u);
-            *(u32x4*)(xs + tok * XS_TOKEN_WORDS + ((cl * 4 + q) * 4 + tt) * 4) = e;
-        }
-    }
-    for (int i = tid; i < 256; i += THREADS) {
-        const u32 h = bf16_of(scale_table[i] * TWO_POW_63);
-        stab[i] = h | (h << 16);
-    }
+    copy_x(xs, x, m_rows, k_dim, c0, c1 - c0, tid);
+    build_stab(stab, scale_table, tid);
     __syncthreads();
     // This lane's entries: token 8mt + g of each tile (tokens past M read the last one; never
     // stored), quad t.
@@ -482,34 +526,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     }
 #endif
 
-    // res[(r*M_TILES + mt)*4 + 2h + e]: weight row n0 + 16r + 8h + g, token 8mt + 2t + e.
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int n = n0 + 16 * r + 8 * h + g;
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int m = 8 * mt + 2 * t + e;
-                    if (n < n_cols && m < m_rows) {
-                        float v = res[(r * M_TILES + mt) * 4 + 2 * h + e];
-#if HAS_BIAS
-                        if (epilogue) {
-                            float b;
-                            asm("mov.b32 %0, %1;" : "=f"(b) : "r"(((u32)bias[n]) << 16));
-                            v += b;
-                        }
-#endif
-#if SPLIT
-                        part[((long)blockIdx.z * m_rows + m) * n_cols + n] = v;
-#else
-                        y[(long)m * n_cols + n] = (u16)bf16_of(v);
-#endif
-                    }
-                }
-            }
-        }
-    }
+    store_tile(res, n0, n_cols, m_rows, bias, y, part, blockIdx.z, epilogue, g, t);
 }
+#endif
