@@ -33,7 +33,8 @@
 // MIN_CUBES (cubes a multiprocessor must hold: caps the registers), XS_TOKENS and XS_CHUNKS
 // (the tokens and 128-deep chunks the shared copy of `X` holds: M and the slice's chunks),
 // STAGES (0: the register ring of DEPTH chunks), SPREAD_SHIFTS (1: the decoding's shifts of
-// sessions 12-31 instead of the multiply, for A/B runs).
+// sessions 12-31 instead of the multiply, for A/B runs), X_AHEAD_ON (0: `X` copied after the
+// first weight loads, as before session 33), WALK (1: gemv_mma_walk.cu's kernel instead).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -264,31 +265,81 @@ __device__ __forceinline__ void issue_chunk(
 }
 #endif
 
-// The copy of `X` of chunks c0 .. c0 + slice into `xs`: item i is 16 bytes (8 values) of a
-// token, so consecutive items are consecutive in memory; its four B registers (pairs (x0, x4),
-// (x1, x5), (x2, x6), (x3, x7)) go to entry (cl*4 + q)*4 + t.
+// Item i of the copy of `X` of chunks c0 .. c0 + slice: 16 bytes (8 values) of a token, so
+// consecutive items are consecutive in memory (`src`, in 16-byte units); its four B registers
+// (pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7)) go to entry (cl*4 + q)*4 + t (`dst`, words).
+__device__ __forceinline__ void x_item(int i, int slice, int k_dim, int c0, int& src, int& dst) {
+    const int tok = i / (slice * 16), rem = i - tok * slice * 16;
+    const int cl = rem >> 4, j = rem & 15, tt = j >> 2, q = j & 3;
+    src = tok * (k_dim / 8) + (c0 + cl) * 16 + j;
+    dst = tok * XS_TOKEN_WORDS + ((cl * 4 + q) * 4 + tt) * 4;
+}
+
+__device__ __forceinline__ void put_x(u32* xs, int dst, const u32x4& v) {
+    u32x4 e;
+    e.x = byte_perm(v.x, v.z, 0x5410u);
+    e.y = byte_perm(v.x, v.z, 0x7632u);
+    e.z = byte_perm(v.y, v.w, 0x5410u);
+    e.w = byte_perm(v.y, v.w, 0x7632u);
+    *(u32x4*)(xs + dst) = e;
+}
+
+// The copy of `X` of chunks c0 .. c0 + slice into `xs`, loads and stores in one pass.
 __device__ __forceinline__ void copy_x(
     u32* xs, const u32x4* __restrict__ x, int m_rows, int k_dim, int c0, int slice, int tid) {
     const int items = m_rows * slice * 16;
     for (int i = tid; i < items; i += THREADS) {
-        const int tok = i / (slice * 16), rem = i - tok * slice * 16;
-        const int cl = rem >> 4, j = rem & 15, tt = j >> 2, q = j & 3;
-        const u32x4 v = x[tok * (k_dim / 8) + (c0 + cl) * 16 + j];
-        u32x4 e;
-        e.x = byte_perm(v.x, v.z, 0x5410u);
-        e.y = byte_perm(v.x, v.z, 0x7632u);
-        e.z = byte_perm(v.y, v.w, 0x5410u);
-        e.w = byte_perm(v.y, v.w, 0x7632u);
-        *(u32x4*)(xs + tok * XS_TOKEN_WORDS + ((cl * 4 + q) * 4 + tt) * 4) = e;
+        int src, dst;
+        x_item(i, slice, k_dim, c0, src, dst);
+        put_x(xs, dst, x[src]);
     }
+}
+
+// Items of the copy of `X` a thread holds; where they are few (at one token), a kernel loads
+// them (and its scale-table entry) into registers before its first weight loads and stores
+// them after: `X` and the table, written by the launch before and found in L2, then do not
+// queue behind the weights' first loads from DRAM (on an H200, 8% of the 7B gate/up
+// product's stall samples sat on the copy of `X`, ncu, 2026-11-29).
+#define X_ITEMS ((XS_TOKENS * XS_CHUNKS * 16 + THREADS - 1) / THREADS)
+#define X_AHEAD (X_AHEAD_ON && X_ITEMS <= 4 && THREADS == 256)
+
+struct XAhead {
+    u32x4 v[X_ITEMS <= 4 ? X_ITEMS : 1];
+};
+
+__device__ __forceinline__ void load_x_ahead(
+    XAhead& a, const u32x4* __restrict__ x, int m_rows, int k_dim, int c0, int slice, int tid) {
+    const int items = m_rows * slice * 16;
+#pragma unroll
+    for (int j = 0; j < (X_ITEMS <= 4 ? X_ITEMS : 1); ++j) {
+        const int i = tid + j * THREADS;
+        int src, dst;
+        x_item(i, slice, k_dim, c0, src, dst);
+        if (i < items) a.v[j] = x[src];
+    }
+}
+
+__device__ __forceinline__ void store_x_ahead(
+    u32* xs, const XAhead& a, int m_rows, int k_dim, int c0, int slice, int tid) {
+    const int items = m_rows * slice * 16;
+#pragma unroll
+    for (int j = 0; j < (X_ITEMS <= 4 ? X_ITEMS : 1); ++j) {
+        const int i = tid + j * THREADS;
+        int src, dst;
+        x_item(i, slice, k_dim, c0, src, dst);
+        if (i < items) put_x(xs, dst, a.v[j]);
+    }
+}
+
+// Entry `tid` of a scale table (THREADS == 256) as `stab` holds it.
+__device__ __forceinline__ u32 stab_entry(float scale) {
+    const u32 h = bf16_of(scale * TWO_POW_63);
+    return h | (h << 16);
 }
 
 // A weight's 256 block scales times 2^63 as bf16 pairs (both halves the same).
 __device__ __forceinline__ void build_stab(u32* stab, const float* __restrict__ scale_table, int tid) {
-    for (int i = tid; i < 256; i += THREADS) {
-        const u32 h = bf16_of(scale_table[i] * TWO_POW_63);
-        stab[i] = h | (h << 16);
-    }
+    for (int i = tid; i < 256; i += THREADS) stab[i] = stab_entry(scale_table[i]);
 }
 
 // Stores a warp's sums `res[(r*M_TILES + mt)*4 + 2h + e]` (weight row n0 + 16r + 8h + g, token
@@ -407,6 +458,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const u32 s_sel = 0x4440u + (BLOCK == 16 ? 2 * (t & 1) : t);
 
     const int first = c0 + kpart;
+#if X_AHEAD
+    XAhead xa;
+    load_x_ahead(xa, x, m_rows, k_dim, c0, c1 - c0, tid);
+    const float st = scale_table[tid];
+#endif
     // The first loads go out before `X` is copied and the scale table is built.
 #if STAGES
     const u32 ring_slots = smem_addr(ring + warp * (STAGES * RING_WORDS));
@@ -438,8 +494,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     if (epilogue && kpart == 0)
         lora_frags(lora0, 0, lora_t, lora_b, lora_scale, rank, m_rows, n_cols, n0, g, t);
 #endif
+#if X_AHEAD
+    store_x_ahead(xs, xa, m_rows, k_dim, c0, c1 - c0, tid);
+    stab[tid] = stab_entry(st);
+#else
     copy_x(xs, x, m_rows, k_dim, c0, c1 - c0, tid);
     build_stab(stab, scale_table, tid);
+#endif
     __syncthreads();
     // This lane's entries: token 8mt + g of each tile (tokens past M read the last one; never
     // stored), quad t.

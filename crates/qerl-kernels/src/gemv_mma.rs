@@ -111,8 +111,9 @@ fn max_slice_chunks(m: usize, stages: usize, walk: bool) -> usize {
 /// (1 to 4) the chunks in flight, `QERL_GEMV_MMA_CUBES` (1 to 4) the cubes a multiprocessor
 /// must hold (the register cap), `QERL_GEMV_MMA_KP` (1, 2, 4, 8) the warps a row group,
 /// `QERL_GEMV_MMA_STAGES` (0 to 4) the chunks of the shared ring at one token (3 by default;
-/// 0: the register ring of `depth` chunks), `QERL_GEMV_MMA_WALK=0` launches the shared ring
-/// as one cube a tile instead of as the walk.
+/// 0: the register ring of `depth` chunks), `QERL_GEMV_MMA_WALK=1` launches the shared ring
+/// as a walk (`gemv_mma_walk.cu`) instead of one cube a tile, `QERL_GEMV_MMA_X_AHEAD=0` copies `X` after the
+/// first weight loads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Knobs {
     pub enabled: bool,
@@ -126,6 +127,9 @@ pub(crate) struct Knobs {
     /// The shared ring as a walk: at most one wave of cubes, each taking tile after tile
     /// (`gemv_mma_walk.cu`).
     pub walk: bool,
+    /// `X` and the scale table loaded ahead of the first weight loads where a thread holds
+    /// few items of `X` (`gemv_mma.cu`'s `X_AHEAD`).
+    pub x_ahead: bool,
 }
 
 impl Knobs {
@@ -148,7 +152,8 @@ impl Knobs {
         min_cubes: 3,
         kp: 0,
         stages: 3,
-        walk: true,
+        walk: false,
+        x_ahead: true,
     };
 
     fn get() -> Knobs {
@@ -167,7 +172,8 @@ impl Knobs {
                 ),
                 kp: num("QERL_GEMV_MMA_KP", &|v| [1, 2, 4, 8].contains(&v), d.kp),
                 stages: num("QERL_GEMV_MMA_STAGES", &|v| v <= 4, d.stages),
-                walk: crate::device::env_switch("QERL_GEMV_MMA_WALK"),
+                walk: num("QERL_GEMV_MMA_WALK", &|v| v <= 1, d.walk as usize) == 1,
+                x_ahead: crate::device::env_switch("QERL_GEMV_MMA_X_AHEAD"),
             }
         })
     }
@@ -400,6 +406,7 @@ impl Plan {
             ("STAGES", self.stages),
             ("SPREAD_SHIFTS", cuda_source::spread_shifts()),
             ("WALK", self.walk as usize),
+            ("X_AHEAD_ON", Knobs::get().x_ahead as usize),
             ("TILES", self.cubes),
         ]);
         text.push_str(cuda_source::E2M1_SPREAD);

@@ -134,15 +134,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma_w
         }
         cp_async_commit();
     };
+#if X_AHEAD
+    // `X` and the scale tables are asked for first (gemv_mma.cu's X_AHEAD says why).
+    XAhead xa;
+    load_x_ahead(xa, x, m_rows, k_dim, c0, c1 - c0, tid);
+    float st[SEGMENTS];
+    st[0] = scale_table0[tid];
+    if (SEGMENTS > 1) st[1] = scale_table1[tid];
+    if (SEGMENTS > 2) st[2] = scale_table2[tid];
+#endif
     if (next_tile < TILES) aim(next_tile);
     // The first loads go out before `X` is copied and the scale tables are built.
 #pragma unroll
     for (int d = 0; d < STAGES; ++d) issue_next(d);
 
+#if X_AHEAD
+    store_x_ahead(xs, xa, m_rows, k_dim, c0, c1 - c0, tid);
+#pragma unroll
+    for (int i = 0; i < SEGMENTS; ++i) stab[i * 256 + tid] = stab_entry(st[i]);
+#else
     copy_x(xs, x, m_rows, k_dim, c0, c1 - c0, tid);
     build_stab(stab, scale_table0, tid);
     if (SEGMENTS > 1) build_stab(stab + 256, scale_table1, tid);
     if (SEGMENTS > 2) build_stab(stab + 512, scale_table2, tid);
+#endif
     __syncthreads();
     const u32* xs_lane[1] = {xs + t * 4};
     // Slice 0 carries the epilogue terms (the slices' sum is the output).
