@@ -13,7 +13,8 @@
 # EXTRA="name:ENV=v,ENV=v@batch ...": one more wall-time run each, at its batch (session 29);
 # SHAPE=qwen2.5-32b among the ENV picks the model shape (session 31).
 # KTESTS: the kernel tests' filter (the segment tests on the warpgroup kernel by default).
-# CHECK1=1: the benchmark's check at batch 1 (16 new tokens) before the timings.
+# CHECK1=1: the benchmark's check at batch 1 (16 new tokens) before the timings (CHECK_T: its
+# limit in seconds, 420).
 # SANITIZE="ENV=v,...": compute-sanitizer on the kernel tests SANITIZE_TESTS, last.
 # Carry .device/qerl.tar.gz and .device/kernels.xz. There: bash tools/device_ab.sh
 set -uo pipefail
@@ -52,8 +53,10 @@ elif [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${CHECK1:-0}" = 1 ]; then
   echo "== check at batch 1"
-  # The exit status and any panic too: a check that hangs or panics prints no check line.
-  timeout -k 5 200 /tmp/qm/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 --batch 1 \
+  # The exit status and any panic too: a check that hangs or panics prints no check line. On a
+  # fresh machine the first run compiles ~217 kernels (NVRTC, one after another): session 33
+  # found a 200 s limit too short there (tools/device_hang.sh), hence CHECK_T.
+  timeout -k 5 ${CHECK_T:-420} /tmp/qm/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 --batch 1 \
     --prompt 256 --new-tokens 16 > "$OUT/check1.txt" 2>&1
   echo "check exit status: $? (124: timed out)"
   grep -E "^\| qwen|check|error|panicked" "$OUT/check1.txt" | cut -c1-300

@@ -64,21 +64,6 @@ pub fn set_gemv_mma_ring_min_chunks(chunks: usize) -> usize {
         0
     }
 }
-/// Caps the cubes along x of the decode kernel's walk at one token (the shared ring taken tile
-/// after tile by at most one wave of cubes; default 0: one wave), returning the previous cap:
-/// tests make a few cubes take several tiles each, across segments. No effect without the
-/// `cuda` feature.
-pub fn set_gemv_mma_walk_cubes(cubes: usize) -> usize {
-    #[cfg(feature = "cuda")]
-    {
-        crate::gemv_mma::set_walk_cubes(cubes)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = cubes;
-        0
-    }
-}
 pub use crate::tune::{
     cublas_min_m, cublas_usable, set_strategy, strategy, Strategy, TileConfig,
     DEFAULT_CUBLAS_MIN_M, STRATEGY_ENV,

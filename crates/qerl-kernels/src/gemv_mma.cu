@@ -34,7 +34,7 @@
 // (the tokens and 128-deep chunks the shared copy of `X` holds: M and the slice's chunks),
 // STAGES (0: the register ring of DEPTH chunks), SPREAD_SHIFTS (1: the decoding's shifts of
 // sessions 12-31 instead of the multiply, for A/B runs), X_AHEAD_ON (0: `X` copied after the
-// first weight loads, as before session 33), WALK (1: gemv_mma_walk.cu's kernel instead).
+// first weight loads, as before session 33).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -378,7 +378,6 @@ __device__ __forceinline__ void store_tile(
     }
 }
 
-#if !WALK
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const u32x4* __restrict__ x,
     const u32x4* __restrict__ codes0, const u32* __restrict__ scale_bytes0,
@@ -589,4 +588,3 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
 
     store_tile(res, n0, n_cols, m_rows, bias, y, part, blockIdx.z, epilogue, g, t);
 }
-#endif

@@ -26,9 +26,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 const SOURCE: &str = include_str!("gemv_mma.cu");
-const WALK_SOURCE: &str = include_str!("gemv_mma_walk.cu");
 const ENTRY: &str = "qerl_gemv_mma";
-const WALK_ENTRY: &str = "qerl_gemv_mma_walk";
 
 /// Reduction depth of one chunk: 16 bytes of codes a lane and row.
 pub(crate) const CHUNK: usize = 128;
@@ -54,13 +52,6 @@ const STAB_BYTES: usize = 1024;
 /// Bytes of one stage of the shared ring (`STAGES` > 0) for all warps of a cube: each warp's
 /// 16 rows of one chunk, 64 bytes of codes and (NVFP4, the larger) 8 scale bytes a row.
 const RING_STAGE_BYTES: usize = WARPS * 16 * (CHUNK / 2 + CHUNK / 16);
-/// What the walk (`gemv_mma_walk.cu`) takes beside the ring and the copy of `X`: a scale table
-/// for each of up to three segments and the warps' sums (`red`: eight warps, 32 lanes, four
-/// f32 each).
-const WALK_EXTRA_BYTES: usize = 3 * STAB_BYTES + WARPS * 32 * 4 * 4;
-/// The walk's cost model: what a tile costs a warp beyond its chunks (its reduction and
-/// epilogue, overlapped with the next tile's loads), in chunks.
-const WALK_TILE_CHUNKS: f64 = 0.25;
 
 /// Fewest chunks a warp walks for the shared ring to be taken: on an H200 (2026-11-29, ncu, a
 /// 7B step at batch 1) the ring took gate/up (7 chunks a warp) from 31.5 to 30.9 µs and down
@@ -69,24 +60,6 @@ const WALK_TILE_CHUNKS: f64 = 0.25;
 const RING_MIN_CHUNKS: usize = 6;
 /// [`RING_MIN_CHUNKS`], or what a test set ([`set_ring_min_chunks`]).
 static RING_MIN: AtomicUsize = AtomicUsize::new(RING_MIN_CHUNKS);
-
-/// Most cubes along x a walk launches (0: one wave, what the multiprocessors hold at once), or
-/// what a test set ([`set_walk_cubes`]).
-static WALK_CUBES: AtomicUsize = AtomicUsize::new(0);
-
-/// Caps the cubes along x of a walk (tests: a few cubes make each take several tiles across
-/// segments; 0 restores one wave); returns the previous cap.
-pub(crate) fn set_walk_cubes(cubes: usize) -> usize {
-    WALK_CUBES.swap(cubes, Ordering::Relaxed)
-}
-
-/// `wave` cubes, or fewer where a test capped the walk.
-fn walk_cap(wave: usize) -> usize {
-    match WALK_CUBES.load(Ordering::Relaxed) {
-        0 => wave,
-        cap => wave.min(cap),
-    }
-}
 
 /// Sets the fewest chunks a warp walks for the shared ring (tests: 0 takes it wherever it
 /// fits); returns the previous value.
@@ -97,11 +70,10 @@ pub(crate) fn set_ring_min_chunks(chunks: usize) -> usize {
 /// Most chunks of a K-slice whose `X` fits the shared copy at `m` tokens (its layout:
 /// `m · (64 · chunks + 16)` words) beside a ring of `stages` (the warps' sums then live in
 /// the ring).
-fn max_slice_chunks(m: usize, stages: usize, walk: bool) -> usize {
-    let words = match (stages, walk) {
-        (0, _) => XS_WORDS,
-        (s, false) => SHARED_BYTES.saturating_sub(STAB_BYTES + s * RING_STAGE_BYTES) / 4,
-        (s, true) => SHARED_BYTES.saturating_sub(WALK_EXTRA_BYTES + s * RING_STAGE_BYTES) / 4,
+fn max_slice_chunks(m: usize, stages: usize) -> usize {
+    let words = match stages {
+        0 => XS_WORDS,
+        s => SHARED_BYTES.saturating_sub(STAB_BYTES + s * RING_STAGE_BYTES) / 4,
     };
     (words / m.max(1)).saturating_sub(16) / 64
 }
@@ -111,9 +83,8 @@ fn max_slice_chunks(m: usize, stages: usize, walk: bool) -> usize {
 /// (1 to 4) the chunks in flight, `QERL_GEMV_MMA_CUBES` (1 to 4) the cubes a multiprocessor
 /// must hold (the register cap), `QERL_GEMV_MMA_KP` (1, 2, 4, 8) the warps a row group,
 /// `QERL_GEMV_MMA_STAGES` (0 to 4) the chunks of the shared ring at one token (3 by default;
-/// 0: the register ring of `depth` chunks), `QERL_GEMV_MMA_WALK=1` launches the shared ring
-/// as a walk (`gemv_mma_walk.cu`) instead of one cube a tile, `QERL_GEMV_MMA_X_AHEAD=0` copies `X` after the
-/// first weight loads.
+/// 0: the register ring of `depth` chunks), `QERL_GEMV_MMA_X_AHEAD=0` copies `X` after the
+/// first weight loads, `QERL_GEMV_MMA_RING_MIN` sets [`RING_MIN_CHUNKS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Knobs {
     pub enabled: bool,
@@ -124,9 +95,6 @@ pub(crate) struct Knobs {
     pub kp: usize,
     /// Chunks in the shared ring at one token, 0 for none.
     pub stages: usize,
-    /// The shared ring as a walk: at most one wave of cubes, each taking tile after tile
-    /// (`gemv_mma_walk.cu`).
-    pub walk: bool,
     /// `X` and the scale table loaded ahead of the first weight loads where a thread holds
     /// few items of `X` (`gemv_mma.cu`'s `X_AHEAD`).
     pub x_ahead: bool,
@@ -144,7 +112,13 @@ impl Knobs {
     /// 32's. It was off in session 31 because the benchmark's check hung in two calls, both
     /// with a copy of `X` that batched its loads (reverted); the ring without it passed the
     /// check in both sessions, and compute-sanitizer's racecheck and memcheck on the kernel
-    /// tests (docs/benchmarks/rollout.md, session 32).
+    /// tests (docs/benchmarks/rollout.md, session 32). Session 33 found what those "hangs"
+    /// were: a fresh machine's first run compiling ~217 kernels through NVRTC past the check's
+    /// time limit (the GPU idle, cubecl's device thread inside NVRTC; tools/device_hang.sh).
+    ///
+    /// `X` ahead of the weights: on an H200 (2026-11-29, one call) the 7B step at batch 1 took
+    /// 3.00 ms of GPU time against 3.09 (o 6.8 µs against 8.2), the 32B step 10.13-10.18 ms
+    /// against 10.41-10.49.
     pub(crate) const DEFAULT: Knobs = Knobs {
         enabled: true,
         rt: 1,
@@ -152,7 +126,6 @@ impl Knobs {
         min_cubes: 3,
         kp: 0,
         stages: 3,
-        walk: false,
         x_ahead: true,
     };
 
@@ -161,6 +134,10 @@ impl Knobs {
         *KNOBS.get_or_init(|| {
             let num = crate::device::env_knob;
             let d = Knobs::DEFAULT;
+            // `QERL_GEMV_MMA_RING_MIN`: the fewest chunks a warp walks for the shared ring.
+            if let Ok(Ok(v)) = std::env::var("QERL_GEMV_MMA_RING_MIN").map(|v| v.parse()) {
+                RING_MIN.store(v, Ordering::Relaxed);
+            }
             Knobs {
                 enabled: crate::device::env_switch("QERL_GEMV_MMA"),
                 rt: num("QERL_GEMV_MMA_RT", &|v| v == 1 || v == 2, d.rt),
@@ -172,7 +149,6 @@ impl Knobs {
                 ),
                 kp: num("QERL_GEMV_MMA_KP", &|v| [1, 2, 4, 8].contains(&v), d.kp),
                 stages: num("QERL_GEMV_MMA_STAGES", &|v| v <= 4, d.stages),
-                walk: num("QERL_GEMV_MMA_WALK", &|v| v <= 1, d.walk as usize) == 1,
                 x_ahead: crate::device::env_switch("QERL_GEMV_MMA_X_AHEAD"),
             }
         })
@@ -241,8 +217,7 @@ pub(crate) fn segments_apply<R: Runtime, F: Float>(
 
 /// A launch's shape: `rt` 16-row tiles a warp, `kp` warps a row group (each every `kp`-th
 /// chunk), `cubes` along x (the segments' in order), `splits` K-slices of `per` chunks,
-/// `stages` chunks a warp in the shared ring (0: `depth` in registers); `walk`: the ring as a
-/// walk, `grid` cubes along x taking the `cubes` tiles in turn (else `grid` is `cubes`).
+/// `stages` chunks a warp in the shared ring (0: `depth` in registers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Plan {
     pub m: usize,
@@ -254,8 +229,6 @@ pub(crate) struct Plan {
     pub splits: usize,
     pub per: usize,
     pub stages: usize,
-    pub walk: bool,
-    pub grid: usize,
 }
 
 impl Plan {
@@ -268,9 +241,8 @@ impl Plan {
     /// Waves count: at batch 1 the kernel is bound by issue, so a partial last wave idles
     /// the multiprocessors it leaves out. The shared ring (`knobs.stages`) is taken at one
     /// token with one row tile a warp, where an unsplit launch still fits it and a warp walks
-    /// at least [`RING_MIN_CHUNKS`] chunks (over all its tiles when it walks). A walk costs
-    /// `rounds · (chunks a warp + WALK_TILE_CHUNKS) + WARP_OVERHEAD_CHUNKS`, its rounds the
-    /// tiles a cube of at most one wave. `None`: `unsplit` and `X` does not fit.
+    /// at least [`RING_MIN_CHUNKS`] chunks. `None`:
+    /// `unsplit` and `X` does not fit.
     pub(crate) fn new(
         ns: &[usize],
         m: usize,
@@ -285,11 +257,10 @@ impl Plan {
             true => knobs.stages,
             false => 0,
         };
-        let walk = stages > 0 && knobs.walk;
-        if stages > 0 && unsplit && chunks > max_slice_chunks(m, stages, walk) {
+        if stages > 0 && unsplit && chunks > max_slice_chunks(m, stages) {
             return Plan::new(ns, m, k, sms, Knobs { stages: 0, ..knobs }, unsplit);
         }
-        let most = max_slice_chunks(m, stages, walk);
+        let most = max_slice_chunks(m, stages);
         let slots = sms * knobs.min_cubes;
         // `splitk::plan` answers its forced count for any shape when one is set.
         let forced = splitk::plan(1, chunks, 1, 1).0;
@@ -312,18 +283,8 @@ impl Plan {
                 if per > most {
                     continue;
                 }
-                let walk_grid = cubes.min((slots / splits).max(1));
-                let steps = per.div_ceil(kp) as f64;
-                let mut cost = match walk {
-                    true => {
-                        let rounds = cubes.div_ceil(walk_grid) as f64;
-                        rounds * (steps + WALK_TILE_CHUNKS) + WARP_OVERHEAD_CHUNKS
-                    }
-                    false => {
-                        let waves = (cubes * splits).div_ceil(slots) as f64;
-                        waves * (steps + WARP_OVERHEAD_CHUNKS)
-                    }
-                };
+                let waves = (cubes * splits).div_ceil(slots) as f64;
+                let mut cost = waves * (per.div_ceil(kp) as f64 + WARP_OVERHEAD_CHUNKS);
                 if splits > 1 {
                     cost += SPLIT_CHUNKS + SLICE_CHUNKS * splits as f64;
                 }
@@ -337,11 +298,6 @@ impl Plan {
                     splits,
                     per,
                     stages,
-                    walk,
-                    grid: match walk {
-                        true => cubes.min(walk_cap((slots / splits).max(1))),
-                        false => cubes,
-                    },
                 };
                 if best.as_ref().is_none_or(|b| cost < b.0 - 1e-9) {
                     best = Some((cost, plan));
@@ -349,8 +305,7 @@ impl Plan {
             }
         }
         if let Some((_, plan)) = best {
-            let stream = plan.per.div_ceil(plan.kp) * plan.cubes.div_ceil(plan.grid);
-            if plan.stages > 0 && stream < RING_MIN.load(Ordering::Relaxed) {
+            if plan.stages > 0 && plan.per.div_ceil(plan.kp) < RING_MIN.load(Ordering::Relaxed) {
                 return Plan::new(ns, m, k, sms, Knobs { stages: 0, ..knobs }, unsplit);
             }
             return Some(plan);
@@ -361,23 +316,16 @@ impl Plan {
         }
         let kp = kps[0];
         let per = chunks.div_ceil(chunks.div_ceil(most));
-        let cubes = ns.iter().map(|n| n.div_ceil(rows * (WARPS / kp))).sum();
-        let splits = chunks.div_ceil(per);
         Some(Plan {
             m,
             rt: knobs.rt,
             kp,
             depth: knobs.depth,
             min_cubes: knobs.min_cubes,
-            cubes,
-            splits,
+            cubes: ns.iter().map(|n| n.div_ceil(rows * (WARPS / kp))).sum(),
+            splits: chunks.div_ceil(per),
             per,
             stages,
-            walk,
-            grid: match walk {
-                true => cubes.min(walk_cap((slots / splits).max(1))),
-                false => cubes,
-            },
         })
     }
 
@@ -387,7 +335,7 @@ impl Plan {
     }
 
     /// The kernel text for this plan and these flags: the configuration, the shared E2M1
-    /// decoding (`e2m1_spread.cu`), then `gemv_mma.cu` (and `gemv_mma_walk.cu` for a walk).
+    /// decoding (`e2m1_spread.cu`), then `gemv_mma.cu`.
     fn source(&self, block: usize, flags: (bool, bool), segments: usize) -> String {
         let mut text = cuda_source::defines(&[
             ("WARPS", WARPS),
@@ -405,15 +353,10 @@ impl Plan {
             ("XS_CHUNKS", self.per),
             ("STAGES", self.stages),
             ("SPREAD_SHIFTS", cuda_source::spread_shifts()),
-            ("WALK", self.walk as usize),
             ("X_AHEAD_ON", Knobs::get().x_ahead as usize),
-            ("TILES", self.cubes),
         ]);
         text.push_str(cuda_source::E2M1_SPREAD);
         text.push_str(SOURCE);
-        if self.walk {
-            text.push_str(WALK_SOURCE);
-        }
         text
     }
 }
@@ -469,19 +412,15 @@ fn run(
     // K / 128 (K a multiple of 128: `applies`), and bounds its stores by N and M and its LoRA
     // columns by the rank; the caller checked every buffer's size, `part` holds `splits·M·N`
     // f32 when split, and the scalars are `Info`'s layout.
-    let entry = match plan.walk {
-        true => WALK_ENTRY,
-        false => ENTRY,
-    };
     unsafe {
         cuda_source::launch(
             client,
-            cuda_source::cached(&SOURCES, &(*plan, block, flags, segs.len()), entry, || {
+            cuda_source::cached(&SOURCES, &(*plan, block, flags, segs.len()), ENTRY, || {
                 plan.source(block, flags, segs.len())
             }),
-            entry,
+            ENTRY,
             (32 * WARPS) as u32,
-            (plan.grid as u32, 1, plan.splits as u32),
+            (plan.cubes as u32, 1, plan.splits as u32),
             buffers,
             &scalars,
         )
@@ -611,9 +550,9 @@ mod tests {
     #[test]
     fn slices_fit_the_shared_copy_of_x() {
         let k = Knobs::DEFAULT;
-        assert_eq!(max_slice_chunks(1, 0, false), 167);
+        assert_eq!(max_slice_chunks(1, 0), 167);
         let p = Plan::new(&[4096], 8, 8192, 132, k, false).unwrap();
-        assert!(p.per <= max_slice_chunks(8, 0, false) && p.per * p.splits >= 64);
+        assert!(p.per <= max_slice_chunks(8, 0) && p.per * p.splits >= 64);
         assert!(8 * (64 * p.per + 16) <= XS_WORDS);
         assert!(Plan::new(&[3584, 512], 8, 3584, 132, k, true).is_none());
         let down32 = Plan::new(&[5120], 1, 27648, 132, k, false).unwrap();
@@ -637,17 +576,14 @@ mod tests {
             (&[5120, 1024, 1024][..], 5120, true),
             (&[5120][..], 27648, false),
         ] {
-            for (stages, walk) in (1..=4).map(|s| (s, false)).chain((1..=3).map(|s| (s, true))) {
-                let knobs = Knobs { stages, walk, ..k };
-                let p = Plan::new(ns, 1, kd, 132, knobs, unsplit).unwrap();
-                assert_eq!((p.stages, p.walk), (stages, walk), "{ns:?} {kd}");
+            for stages in 1..=4 {
+                let p = Plan::new(ns, 1, kd, 132, Knobs { stages, ..k }, unsplit).unwrap();
+                assert_eq!(p.stages, stages, "{ns:?} {kd}");
                 let xs = 4 * (64 * p.per + 16);
-                let extra = if walk { WALK_EXTRA_BYTES } else { STAB_BYTES };
-                assert!(extra + stages * RING_STAGE_BYTES + xs <= SHARED_BYTES, "{p:?}");
-                // A walk is one wave: its cubes along x and its slices fit what the
-                // multiprocessors hold at once.
-                assert!(!walk || p.grid * p.splits <= 3 * 132, "{p:?}");
-                assert!(walk || p.grid == p.cubes, "{p:?}");
+                assert!(
+                    STAB_BYTES + stages * RING_STAGE_BYTES + xs <= SHARED_BYTES,
+                    "{p:?}"
+                );
             }
             let at8 = Plan::new(ns, 8, kd, 132, k, unsplit);
             assert!(at8.is_none_or(|p| p.stages == 0));
@@ -711,6 +647,7 @@ mod tests {
             "MIN_CUBES 3",
             "XS_TOKENS 1",
             "STAGES 0",
+            "X_AHEAD_ON 1",
         ] {
             assert!(s.contains(&format!("#define {d}\n")), "{d}");
         }

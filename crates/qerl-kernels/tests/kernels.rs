@@ -1585,14 +1585,6 @@ impl Drop for KPlanesGuard {
 /// Products sharing an input as one decode launch (one row: q/k/v-like and gate/up-like
 /// segments), with each planes-per-row-group choice, with and without bias and LoRA, against
 /// the f64 reference of each segment.
-/// Caps the decode kernel's walk at two cubes along x until dropped.
-fn walk_on_two_cubes() -> Restore<usize> {
-    let before = gemm::set_gemv_mma_walk_cubes(2);
-    Restore::set(2, before, |n| {
-        gemm::set_gemv_mma_walk_cubes(n);
-    })
-}
-
 pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::Device, tol: f64) {
     let c = R::client(device);
     if !supported::<R, F>(&c) {
@@ -1600,12 +1592,6 @@ pub fn matmul_decode_segments<R: Runtime, F: Float + CubeElement>(device: &R::De
     }
     let (mut rng, seed) = fresh_rng();
     let (m, rank) = (1, 16);
-    // On CUDA the shared ring's walk, each of two cubes taking tiles of every segment.
-    let before_ring = gemm::set_gemv_mma_ring_min_chunks(0);
-    let _ring = Restore::set(0, before_ring, |n| {
-        gemm::set_gemv_mma_ring_min_chunks(n);
-    });
-    let _walk = walk_on_two_cubes();
     let cases: [(QuantFormat, &[usize], usize); 3] = [
         (QuantFormat::Nvfp4, &[512, 128, 128], 2080),
         (QuantFormat::Mxfp4, &[384, 256], 1024),
@@ -1800,8 +1786,6 @@ pub fn matmul_decode_mma<R: Runtime, F: Float + CubeElement>(device: &R::Device,
     let _ring = Restore::set(0, before_ring, |n| {
         gemm::set_gemv_mma_ring_min_chunks(n);
     });
-    // The ring's walk on two cubes along x, so that each takes several tiles.
-    let _walk = walk_on_two_cubes();
     let before = gemm::gemv_mma_launches();
     let (mut rng, seed) = fresh_rng();
     let cases = [
