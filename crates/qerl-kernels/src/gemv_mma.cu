@@ -303,31 +303,30 @@ __device__ __forceinline__ void copy_x(
 #define X_ITEMS ((XS_TOKENS * XS_CHUNKS * 16 + THREADS - 1) / THREADS)
 #define X_AHEAD (X_AHEAD_ON && X_ITEMS <= 4 && THREADS == 256)
 
+#define X_HELD (X_ITEMS <= 4 ? X_ITEMS : 1)
+
 struct XAhead {
-    u32x4 v[X_ITEMS <= 4 ? X_ITEMS : 1];
+    u32x4 v[X_HELD];
 };
 
-__device__ __forceinline__ void load_x_ahead(
-    XAhead& a, const u32x4* __restrict__ x, int m_rows, int k_dim, int c0, int slice, int tid) {
+// The thread's items of the copy of `X` of chunks c0 .. c0 + slice: loaded from `x` into `a`
+// (STORE false), or stored from `a` into `xs` (STORE true).
+template <bool STORE>
+__device__ __forceinline__ void x_ahead(
+    u32* xs, XAhead& a, const u32x4* __restrict__ x, int m_rows, int k_dim, int c0, int slice,
+    int tid) {
     const int items = m_rows * slice * 16;
 #pragma unroll
-    for (int j = 0; j < (X_ITEMS <= 4 ? X_ITEMS : 1); ++j) {
+    for (int j = 0; j < X_HELD; ++j) {
         const int i = tid + j * THREADS;
         int src, dst;
         x_item(i, slice, k_dim, c0, src, dst);
-        if (i < items) a.v[j] = x[src];
-    }
-}
-
-__device__ __forceinline__ void store_x_ahead(
-    u32* xs, const XAhead& a, int m_rows, int k_dim, int c0, int slice, int tid) {
-    const int items = m_rows * slice * 16;
-#pragma unroll
-    for (int j = 0; j < (X_ITEMS <= 4 ? X_ITEMS : 1); ++j) {
-        const int i = tid + j * THREADS;
-        int src, dst;
-        x_item(i, slice, k_dim, c0, src, dst);
-        if (i < items) put_x(xs, dst, a.v[j]);
+        if (i < items) {
+            if (STORE)
+                put_x(xs, dst, a.v[j]);
+            else
+                a.v[j] = x[src];
+        }
     }
 }
 
@@ -459,7 +458,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const int first = c0 + kpart;
 #if X_AHEAD
     XAhead xa;
-    load_x_ahead(xa, x, m_rows, k_dim, c0, c1 - c0, tid);
+    x_ahead<false>(xs, xa, x, m_rows, k_dim, c0, c1 - c0, tid);
     const float st = scale_table[tid];
 #endif
     // The first loads go out before `X` is copied and the scale table is built.
@@ -494,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
         lora_frags(lora0, 0, lora_t, lora_b, lora_scale, rank, m_rows, n_cols, n0, g, t);
 #endif
 #if X_AHEAD
-    store_x_ahead(xs, xa, m_rows, k_dim, c0, c1 - c0, tid);
+    x_ahead<true>(xs, xa, x, m_rows, k_dim, c0, c1 - c0, tid);
     stab[tid] = stab_entry(st);
 #else
     copy_x(xs, x, m_rows, k_dim, c0, c1 - c0, tid);
