@@ -2,7 +2,7 @@
 """SASS of a hand-written CUDA kernel without a GPU (session 32).
 
 Compiles one of the kernels' texts (`crates/qerl-kernels/src/*.cu`) with the `#define`s its
-launcher prepends (and `e2m1_spread.cu`, which it prepends to the 4-bit products), through
+launcher prepends (and `cuda_common.cu` and `e2m1_spread.cu`, which it prepends), through
 NVRTC to an sm_90a cubin, disassembles it, and prints the registers, the stack (spills) and
 the instruction mix of the kernel's hottest loop: the backward branch whose body holds the
 most instructions matching `--key` (HMMA: `mma.sync`; HGMMA: `wgmma`).
@@ -52,8 +52,16 @@ def tools_dir(root):
                     os.chmod(f, 0o755)
                 open(os.path.join(dest, ".done-" + os.path.basename(whl)), "w").close()
     dest = os.path.join(root, "unpacked", "nvidia")
-    find = lambda pat: sorted(glob.glob(os.path.join(dest, "**", pat), recursive=True))[0]
-    return find("libnvrtc.so.*"), os.path.dirname(find("nvdisasm")), find("cuobjdump")
+
+    def find(pat, wheel):
+        hits = sorted(glob.glob(os.path.join(dest, "**", pat), recursive=True))
+        if not hits:
+            sys.exit(f"sass_local.py: no {pat} under {dest}: the {wheel} wheel in {root} lacks "
+                     f"it (a wheel for another platform or version?); delete it there and rerun")
+        return hits[0]
+
+    return (find("libnvrtc.so.*", WHEELS[0]), os.path.dirname(find("nvdisasm", WHEELS[1])),
+            find("cuobjdump", WHEELS[2]))
 
 
 def wgmma_step(n):
@@ -124,8 +132,8 @@ def main():
     ap.add_argument("--wgmma-n", type=int, help="warpgroup.cu: its wgmma_step for N tokens")
     ap.add_argument("--sass", help="also write the whole SASS here")
     ap.add_argument("--prepend", action="append", default=None,
-                    help="texts the launcher puts after the defines (default: e2m1_spread.cu "
-                         "for a kernel that calls spread_bits)")
+                    help="texts the launcher puts after the defines (default: cuda_common.cu, "
+                         "then e2m1_spread.cu for a kernel that calls spread_bits)")
     ap.add_argument("--tools", default=os.path.expanduser("~/.cache/qerl-sass"))
     a = ap.parse_intermixed_args()
     nvrtc, nvdisasm_dir, cuobjdump = tools_dir(a.tools)
@@ -135,9 +143,15 @@ def main():
     head = "".join("#define {} {}\n".format(*d.split("=", 1)) for d in a.defines)
     prepend = a.prepend
     if prepend is None:
-        spread = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "crates",
-                              "qerl-kernels", "src", "e2m1_spread.cu")
-        prepend = [spread] if "spread_bits(" in text and "int spread_bits(" not in text else []
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "crates",
+                           "qerl-kernels", "src")
+        # The launchers' order: cuda_common.cu (for the texts that use its types without
+        # defining them), then e2m1_spread.cu (for those that call spread_bits).
+        prepend = []
+        if "u32" in text and "typedef unsigned int u32;" not in text:
+            prepend.append(os.path.join(src, "cuda_common.cu"))
+        if "spread_bits(" in text and "int spread_bits(" not in text:
+            prepend.append(os.path.join(src, "e2m1_spread.cu"))
     head += "".join(open(p).read() for p in prepend)
     cubin = os.path.join(a.tools, "k.cubin")
     open(cubin, "wb").write(compile_cubin(nvrtc, head + text))

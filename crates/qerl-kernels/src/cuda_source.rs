@@ -102,6 +102,10 @@ pub(crate) fn cached<K: Hash + Eq + Clone>(
         .clone()
 }
 
+/// The types and helpers the hand-written kernels share (`cuda_common.cu`), prepended to their
+/// texts right after the `#define`s.
+pub(crate) const COMMON: &str = include_str!("cuda_common.cu");
+
 /// The E2M1 pair decoding the 4-bit products share (`spread_bits`), prepended to their texts
 /// after the `#define`s.
 pub(crate) const E2M1_SPREAD: &str = include_str!("e2m1_spread.cu");

@@ -35,10 +35,7 @@
 // STAGES (0: the register ring of DEPTH chunks), SPREAD_SHIFTS (1: the decoding's shifts of
 // sessions 12-31 instead of the multiply, for A/B runs), X_AHEAD_ON (0: `X` copied after the
 // first weight loads, as before session 33).
-
-typedef unsigned int u32;
-typedef unsigned short u16;
-struct __align__(16) u32x4 { u32 x, y, z, w; };
+// Then cuda_common.cu (the shared types, `imin`, `smem_addr`) and e2m1_spread.cu.
 
 // Scalars, packed by gemv_mma.rs in this order (u32 then f32).
 struct Info {
@@ -60,7 +57,6 @@ struct Info {
 #define XS_TOKEN_WORDS (XS_CHUNKS * 64 + 16)
 
 // No header is included: NVRTC compiles this text as it is.
-__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
 // 16 bytes of codes, read once: not kept in L1 (`X` and the scales are).
 __device__ __forceinline__ u32x4 load_stream(const u32x4* p) {
@@ -223,12 +219,6 @@ __device__ __forceinline__ void lora_frags(
 #define ROW_SCALE_BYTES (CHUNK / BLOCK)
 #define RING_CODE_WORDS (2 * 32 * 4)
 #define RING_WORDS (RING_CODE_WORDS + 16 * ROW_SCALE_BYTES / 4)
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
 
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");

@@ -43,9 +43,14 @@ const WARP_OVERHEAD_CHUNKS: f64 = 1.5;
 /// 7 and 13.1 with 14, ncu, 2026-11-28).
 const SPLIT_CHUNKS: f64 = 3.0;
 const SLICE_CHUNKS: f64 = 0.75;
-/// u32 words of shared memory the copy of `X` may take (42 KiB: with the scale table and the
-/// warps' sums a cube stays under the 48 KiB of static shared memory).
+/// u32 words of shared memory the copy of `X` may take at one row tile a warp (42 KiB: with
+/// the scale table and the warps' sums a cube stays under the 48 KiB of static shared memory).
 const XS_WORDS: usize = 10_752;
+/// u32 words the warps' sums take for each further row tile a warp (`red` in `gemv_mma.cu`:
+/// eight warps, four f32 a tile, 32 lanes), which the copy of `X` gives up: at two tiles a
+/// warp the full copy made a cube of 52,032 bytes, which ptxas refuses (sass_local.py,
+/// 2026-11-29).
+const RED_WORDS_A_TILE: usize = WARPS * 4 * 32;
 /// Static shared memory a cube may take, and what the scale table takes of it.
 const SHARED_BYTES: usize = 48 << 10;
 const STAB_BYTES: usize = 1024;
@@ -68,11 +73,11 @@ pub(crate) fn set_ring_min_chunks(chunks: usize) -> usize {
 }
 
 /// Most chunks of a K-slice whose `X` fits the shared copy at `m` tokens (its layout:
-/// `m · (64 · chunks + 16)` words) beside a ring of `stages` (the warps' sums then live in
-/// the ring).
-fn max_slice_chunks(m: usize, stages: usize) -> usize {
+/// `m · (64 · chunks + 16)` words) beside the warps' sums of `rt` row tiles a warp, or beside
+/// a ring of `stages` (one row tile a warp; the warps' sums then live in the ring).
+fn max_slice_chunks(m: usize, stages: usize, rt: usize) -> usize {
     let words = match stages {
-        0 => XS_WORDS,
+        0 => XS_WORDS - (rt.max(1) - 1) * RED_WORDS_A_TILE,
         s => SHARED_BYTES.saturating_sub(STAB_BYTES + s * RING_STAGE_BYTES) / 4,
     };
     (words / m.max(1)).saturating_sub(16) / 64
@@ -257,10 +262,10 @@ impl Plan {
             true => knobs.stages,
             false => 0,
         };
-        if stages > 0 && unsplit && chunks > max_slice_chunks(m, stages) {
+        if stages > 0 && unsplit && chunks > max_slice_chunks(m, stages, knobs.rt) {
             return Plan::new(ns, m, k, sms, Knobs { stages: 0, ..knobs }, unsplit);
         }
-        let most = max_slice_chunks(m, stages);
+        let most = max_slice_chunks(m, stages, knobs.rt);
         let slots = sms * knobs.min_cubes;
         // `splitk::plan` answers its forced count for any shape when one is set.
         let forced = splitk::plan(1, chunks, 1, 1).0;
@@ -355,6 +360,7 @@ impl Plan {
             ("SPREAD_SHIFTS", cuda_source::spread_shifts()),
             ("X_AHEAD_ON", Knobs::get().x_ahead as usize),
         ]);
+        text.push_str(cuda_source::COMMON);
         text.push_str(cuda_source::E2M1_SPREAD);
         text.push_str(SOURCE);
         text
@@ -550,13 +556,28 @@ mod tests {
     #[test]
     fn slices_fit_the_shared_copy_of_x() {
         let k = Knobs::DEFAULT;
-        assert_eq!(max_slice_chunks(1, 0), 167);
+        assert_eq!(max_slice_chunks(1, 0, 1), 167);
+        assert_eq!(max_slice_chunks(1, 0, 2), 151);
         let p = Plan::new(&[4096], 8, 8192, 132, k, false).unwrap();
-        assert!(p.per <= max_slice_chunks(8, 0) && p.per * p.splits >= 64);
+        assert!(p.per <= max_slice_chunks(8, 0, 1) && p.per * p.splits >= 64);
         assert!(8 * (64 * p.per + 16) <= XS_WORDS);
         assert!(Plan::new(&[3584, 512], 8, 3584, 132, k, true).is_none());
         let down32 = Plan::new(&[5120], 1, 27648, 132, k, false).unwrap();
         assert!(down32.per <= 167 && down32.splits >= 2);
+        // The copy of `X`, the scale table and the warps' sums (four f32 a row tile, lane and
+        // warp) within the static shared memory, at one and two row tiles a warp.
+        for rt in [1, 2] {
+            let knobs = Knobs { rt, stages: 0, ..k };
+            for m in [1, 3, 8] {
+                let p = Plan::new(&[4096], m, 27648, 132, knobs, false).unwrap();
+                let red = WARPS * rt * 4 * 32 * 4;
+                let xs = 4 * m * (64 * p.per + 16);
+                assert!(
+                    STAB_BYTES + red + xs <= SHARED_BYTES,
+                    "rt {rt} m {m}: {p:?}"
+                );
+            }
+        }
     }
 
     /// At one token the shared ring is taken, and the ring, the copy of `X` and the scale

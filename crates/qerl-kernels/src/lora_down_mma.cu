@@ -27,10 +27,7 @@
 // The host prepends: WARPS, SEGMENTS, RANK, NT (SEGMENTS * RANK / 8), STEPS, CUBES, DEPTH
 // (steps whose loads are in flight at once), IS_F16, CL (cubes a cluster, dividing CUBES; 1: no
 // clusters).
-
-typedef unsigned int u32;
-struct __align__(16) u32x4 { u32 x, y, z, w; };
-struct __align__(16) f32x4 { float x, y, z, w; };
+// Then cuda_common.cu (the shared types, `imin`, `smem_addr`, `cluster_sync`).
 
 // Scalars, packed by lora_down_mma.rs in this order.
 struct Info {
@@ -41,8 +38,6 @@ struct Info {
 #define N_COLS (NT * 8)
 // f32 sums of a cube: 16 rows by N_COLS.
 #define TILE (16 * N_COLS)
-
-__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
 // The operands' type as `mma` names it.
 #if IS_F16
@@ -77,12 +72,6 @@ __device__ __forceinline__ void add4(f32x4& v, const f32x4& u) {
 }
 
 #if CL > 1
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // 16 bytes at shared address `addr` of the cluster's cube `rank`.
 __device__ __forceinline__ f32x4 load_cluster(u32 addr, u32 rank) {
     u32 remote;
@@ -95,11 +84,6 @@ __device__ __forceinline__ f32x4 load_cluster(u32 addr, u32 rank) {
     return v;
 }
 
-// Every unit of the cluster's cubes: what each stored to shared memory before is visible to all.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 #endif
 
 // Four consecutive sums (element e of the cube's tile, a multiple of 4) into T of their

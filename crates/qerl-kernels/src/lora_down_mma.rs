@@ -160,6 +160,7 @@ impl Plan {
             ("IS_F16", self.f16 as usize),
             ("CL", self.cl),
         ]);
+        text.push_str(cuda_source::COMMON);
         text.push_str(SOURCE);
         text
     }

@@ -26,11 +26,6 @@
 // unfused kernel holds), SEGMENTS (0 to 3), RANK, AR (adapter rows a warp), LV (vectors a lane
 // an adapter row), ADD, SLICES (0: a dense d), IS_F16.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-struct __align__(16) u32x4 { u32 x, y, z, w; };
-struct __align__(16) f32x4 { float x, y, z, w; };
-
 // Scalars, packed by norm_cluster.rs in this order.
 struct Info {
     u32 rows, vecs;
@@ -44,8 +39,6 @@ struct Info {
 // (row, vector) pairs of a cube, and a warp.
 #define PAIRS (RPC * PER_UNIT)
 #define PPW ((PAIRS + WARPS - 1) / WARPS)
-
-__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
 #if IS_F16
 __device__ __forceinline__ float to_f32(u32 h) {
@@ -86,12 +79,6 @@ __device__ __forceinline__ float comp(const f32x4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // The f32 at shared address `addr` of the cluster's cube `rank`.
 __device__ __forceinline__ float load_cluster(u32 addr, u32 rank) {
     u32 remote;
@@ -99,12 +86,6 @@ __device__ __forceinline__ float load_cluster(u32 addr, u32 rank) {
     float v;
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
     return v;
-}
-
-// Every unit of the cluster's cubes: what each stored to shared memory before is visible to all.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // Global loads as volatile asm, which keeps them in program order. ptxas still places the

@@ -157,6 +157,7 @@ impl Plan {
             ("SLICES", self.slices),
             ("IS_F16", self.f16 as usize),
         ]);
+        text.push_str(cuda_source::COMMON);
         text.push_str(SOURCE);
         text
     }
