@@ -1,6 +1,6 @@
-// Types and helpers the hand-written kernels share (gemv_mma.cu, lora_down_mma.cu,
-// norm_cluster.cu): the host prepends this text after their `#define`s (cuda_source.rs
-// `COMMON`). No header is included: NVRTC compiles the texts as they are.
+// Types and helpers the hand-written kernels share (gemv_mma.cu, gemm_mma/warpgroup.cu,
+// lora_down_mma.cu, norm_cluster.cu): the host prepends this text after their `#define`s
+// (cuda_source.rs `COMMON`). No header is included: NVRTC compiles the texts as they are.
 
 typedef unsigned int u32;
 typedef unsigned short u16;

@@ -35,10 +35,8 @@
 // `8kh..8kh+8` of step `s`. A step's descriptor starts at its first core; the core next along
 // K is 128 bytes on (LBO), the next 8 tokens 1024 (SBO).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
+// u32, u16, u32x4, f32x4, `imin` and `smem_addr`: cuda_common.cu, which the host prepends.
 typedef unsigned long long u64;
-struct __align__(16) u32x4 { u32 x, y, z, w; };
 struct __align__(8) u32x2 { u32 x, y; };
 struct f32x2 { float x, y; };
 
@@ -79,7 +77,6 @@ typedef u16 out_t;
 #endif
 
 // No header is included: NVRTC compiles this text as it is.
-__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
 // `spread_bits` (codes i and i + 4 of an E2M1 word as a bf16 pair): e2m1_spread.cu, which the
 // host prepends.
@@ -101,12 +98,6 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 d;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
-}
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
 }
 
 // A K-major operand without swizzle: start, LBO (next core along K), SBO (next 8 rows).
@@ -142,8 +133,6 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1
 }
 
 #if FOLD
-struct __align__(16) f32x4 { float x, y, z, w; };
-
 // Two f32 of T, written by this launch's fold cubes: from L2 (after the acquire below).
 __device__ __forceinline__ f32x2 load_t2(const float* p) {
     f32x2 v;

@@ -67,8 +67,9 @@ pub(crate) struct Config {
 }
 
 impl Config {
-    /// The full CUDA text: the configuration, the shared E2M1 decoding (`e2m1_spread.cu`),
-    /// then `warpgroup.cu` with `wgmma_step` for this cube's tokens.
+    /// The full CUDA text: the configuration, the shared types and helpers (`cuda_common.cu`),
+    /// the shared E2M1 decoding (`e2m1_spread.cu`), then `warpgroup.cu` with `wgmma_step` for
+    /// this cube's tokens.
     fn source(&self) -> String {
         let (lbo, sbo) = DESCRIPTOR_STRIDES;
         // The staged kernel's registers a unit (128: two 8-warp cubes a multiprocessor), which
@@ -94,6 +95,7 @@ impl Config {
             ("FOLD_RANK", self.fold_rank),
             ("SPREAD_SHIFTS", cuda_source::spread_shifts()),
         ]);
+        text.push_str(cuda_source::COMMON);
         text.push_str(cuda_source::E2M1_SPREAD);
         text.push_str(&SOURCE.replace("// @wgmma_step@", &wgmma_step(8 * self.m_tiles)));
         text
