@@ -106,8 +106,8 @@ pub(crate) fn cached<K: Hash + Eq + Clone>(
 /// texts right after the `#define`s.
 pub(crate) const COMMON: &str = include_str!("cuda_common.cu");
 
-/// The E2M1 pair decoding the 4-bit products share (`spread_bits`), prepended to their texts
-/// after the `#define`s.
+/// The E2M1 pair decoding the 4-bit products share (`spread_bits`) and their bf16 helpers,
+/// prepended to their texts after [`COMMON`].
 pub(crate) const E2M1_SPREAD: &str = include_str!("e2m1_spread.cu");
 
 /// 1 where `QERL_SPREAD_SHIFTS=1` asks the 4-bit products' decoding for the two shifts and two

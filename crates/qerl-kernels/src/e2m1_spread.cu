@@ -1,7 +1,7 @@
-// E2M1 code pairs as bf16 pairs for the hand-written 4-bit products (`gemv_mma.cu`,
-// `gemm_mma/warpgroup.cu`): the host prepends this text to theirs, after the configuration's
-// `#define`s (SPREAD_SHIFTS: 1 takes the shifts of sessions 12-31, for A/B runs). No header
-// is included: NVRTC compiles the text as it is.
+// E2M1 code pairs as bf16 pairs, and the bf16 helpers, for the hand-written 4-bit products
+// (`gemv_mma.cu`, `gemm_mma/warpgroup.cu`): the host prepends this text to theirs, after the
+// configuration's `#define`s and cuda_common.cu (SPREAD_SHIFTS: 1 takes the shifts of
+// sessions 12-31, for A/B runs). No header is included: NVRTC compiles the text as it is.
 
 // w >> 8 as the high word of w * 2^24: on the FMA pipe (`IMAD.HI`), not the ALU pipe.
 __device__ __forceinline__ unsigned int shr8_fma(unsigned int w) {
@@ -26,4 +26,33 @@ __device__ __forceinline__ unsigned int spread_bits(unsigned int word, int i) {
     const unsigned int z = v & (0x000F000Fu << (4 * (i & 1)));
     return (z * ((i & 1) ? 260u : 4160u)) & 0x81C081C0u;
 #endif
+}
+
+// bf16 helpers of the two 4-bit products.
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 bf16_of(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// (lo, hi) as a bf16 pair, lo in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// d += A*B for one m16n8k16 tile (bf16 in, f32 sums).
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }

@@ -73,36 +73,8 @@ __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
     return d;
 }
 
-// `spread_bits` (codes i and i + 4 of an E2M1 word as a bf16 pair): e2m1_spread.cu, which the
-// host prepends.
-
-__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-__device__ __forceinline__ u32 bf16_of(float f) {
-    u16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
-// (lo, hi) as a bf16 pair, lo in the low half.
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
-// d += A*B for one m16n8k16 tile.
-__device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// `spread_bits` (codes i and i + 4 of an E2M1 word as a bf16 pair), `mul_bf16x2`, `bf16_of`,
+// `pack_bf16x2` and `mma_16816`: e2m1_spread.cu, which the host prepends.
 
 __device__ __forceinline__ u32 word_of(const u32x4& v, int q) {
     return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
