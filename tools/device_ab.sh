@@ -47,7 +47,7 @@ elif [ "${TESTS:-1}" = 1 ]; then
   QERL_MMA_TEST_KERNEL=warpgroup QERL_MMA_TEST_TILES=default timeout -k 10 200 .device/kernels \
     --ignored --test-threads=1 --nocapture ${KTESTS:-cuda_bf16::matmul_mma_segments} \
     > "$OUT/test.txt" 2>&1
-  grep -E "^test |test result|panicked|inside|warpgroup kernel|seed" "$OUT/test.txt" | head -12
+  grep -E "^test |test result|panicked|inside|warpgroup kernel|seed|programmatic" "$OUT/test.txt" | head -12
   echo "segments tests: $((SECONDS - start)) s"
   grep -q "test result: ok" "$OUT/test.txt" || { echo "== tests failed: no timing"; exit 0; }
 fi
@@ -59,17 +59,19 @@ if [ "${CHECK1:-0}" = 1 ]; then
   timeout -k 5 ${CHECK_T:-420} /tmp/qm/qerl bench rollout --shape qwen2.5-7b --precision nvfp4 --batch 1 \
     --prompt 256 --new-tokens 16 > "$OUT/check1.txt" 2>&1
   echo "check exit status: $? (124: timed out)"
-  grep -E "^\| qwen|check|error|panicked" "$OUT/check1.txt" | cut -c1-300
+  grep -E "^\| qwen|check|error|panicked|pdl|graphs" "$OUT/check1.txt" | cut -c1-300
 fi
 bench() { # env... -- batch check
   timeout -k 5 ${RUN_T:-150} "$@" 2>&1 | grep -E "^\| qwen|check|error" ; }
 for i in $(seq 1 ${ROUNDS:-3}); do
   for v in ${AB_VARIANTS:-old:QERL_LORA_INSIDE=0,QERL_RESIDUAL_PARTS=0 new:}; do
     name=${v%%:*}; IFS=, read -ra ev <<< "${v#*:}"
-    r=$(env "${ev[@]}" timeout -k 5 150 "$(bin_of "${ev[@]}")" bench rollout --shape qwen2.5-7b \
-      --precision nvfp4 --batch ${AB_BATCH:-64} --prompt 256 --new-tokens 128 --no-check 2>/dev/null |
-      grep "| qwen" | awk -F'|' '{print $6, $8}')
-    echo "ab $i $name: ms/step, decode tokens/s = $r"
+    o=$(env "${ev[@]}" timeout -k 5 150 "$(bin_of "${ev[@]}")" bench rollout --shape qwen2.5-7b \
+      --precision nvfp4 --batch ${AB_BATCH:-64} --prompt 256 --new-tokens 128 --no-check 2>&1)
+    r=$(echo "$o" | grep "| qwen" | awk -F'|' '{print $6, $8}')
+    # The CUDA graphs' report (QERL_GRAPH=1), and any error.
+    g=$(echo "$o" | grep -oE "tokens [0-9a-f]{16}|graphs:.*|error.*|panicked.*" | head -3 | tr '\n' ' ' | cut -c1-240)
+    echo "ab $i $name: ms/step, decode tokens/s = $r $g"
   done
 done
 first=1
@@ -98,10 +100,11 @@ for v in ${EXTRA:-}; do
   name=${v%%:*}; spec=${v#*:}; IFS=, read -ra ev <<< "${spec%@*}"
   shape=qwen2.5-7b
   for e in "${ev[@]}"; do [ "${e%%=*}" = SHAPE ] && shape=${e#SHAPE=}; done
-  r=$(env "${ev[@]}" timeout -k 5 150 "$(bin_of "${ev[@]}")" bench rollout --shape "$shape" \
-    --precision nvfp4 --batch "${spec##*@}" --prompt 256 --new-tokens 128 --no-check 2>/dev/null |
-    grep "| qwen" | awk -F'|' '{print $6, $8}')
-  echo "extra $name (batch ${spec##*@}): ms/step, decode tokens/s = $r"
+  o=$(env "${ev[@]}" timeout -k 5 150 "$(bin_of "${ev[@]}")" bench rollout --shape "$shape" \
+    --precision nvfp4 --batch "${spec##*@}" --prompt 256 --new-tokens 128 --no-check 2>&1)
+  r=$(echo "$o" | grep "| qwen" | awk -F'|' '{print $6, $8}')
+  g=$(echo "$o" | grep -oE "tokens [0-9a-f]{16}|graphs:.*|error.*|panicked.*" | head -3 | tr '\n' ' ' | cut -c1-240)
+  echo "extra $name (batch ${spec##*@}): ms/step, decode tokens/s = $r $g"
 done
 # STALLS="name:ENV=v,...@kernel-regex ...": one launch of that kernel at batch AB_BATCH under
 # ncu's full set (STALLS_SKIP launches of it skipped, 100): its totals and hottest SASS lines.

@@ -49,6 +49,14 @@ pub struct RolloutRow {
     /// Bytes the allocator held (reserved from the driver) after the run.
     pub reserved_mb: f64,
     pub in_use_mb: f64,
+    /// Decode steps captured as CUDA graphs and replayed (`QERL_GRAPH=1`), and why graphs were
+    /// turned off, if they were.
+    pub graph_steps: (usize, usize),
+    pub graph_off: Option<String>,
+    /// A hash of the timed run's sampled tokens (FNV-1a over the completions in order): two
+    /// builds or settings that compute the same logits sample the same tokens (the sampler's
+    /// randomness is counter-based), so equal digests say the runs agree.
+    pub token_digest: u64,
 }
 
 /// Bytes of weights one decode step reads: the decoder's frozen weights (4.5 bits an element
@@ -111,11 +119,18 @@ pub fn rollout<R: Runtime, F: Float + CubeElement>(
         engine.generate(&requests(1), &sampling)?;
         let prefill = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        engine.generate(&requests(spec.new_tokens), &sampling)?;
+        let done = engine.generate(&requests(spec.new_tokens), &sampling)?;
         let total = t.elapsed().as_secs_f64();
+        let token_digest = done
+            .iter()
+            .flat_map(|c| c.tokens.iter())
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
+                (h ^ t as u64).wrapping_mul(0x100_0000_01b3)
+            });
         let steps = spec.new_tokens.saturating_sub(1).max(1);
         let step = ((total - prefill) / steps as f64).max(1e-9);
         let usage = client.memory_usage().ok();
+        let (captured, replayed, graph_off) = engine.graph_report();
         let row = RolloutRow {
             shape: spec.shape.name.clone(),
             precision: spec.precision,
@@ -132,6 +147,9 @@ pub fn rollout<R: Runtime, F: Float + CubeElement>(
                 .as_ref()
                 .map_or(0.0, |u| u.bytes_reserved as f64 / 1e6),
             in_use_mb: usage.as_ref().map_or(0.0, |u| u.bytes_in_use as f64 / 1e6),
+            graph_steps: (captured, replayed),
+            graph_off,
+            token_digest,
         };
         progress(&row);
         rows.push(row);

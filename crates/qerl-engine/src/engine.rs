@@ -16,7 +16,7 @@ use cubecl::bytes::Bytes;
 use cubecl::prelude::*;
 use cubecl::server::{Handle, ServerError};
 
-use crate::forward::{forward, KvCache, Pass, Workspace};
+use crate::forward::{forward, pass_key, KvCache, Pass, Workspace};
 use crate::kernels::fill::scatter;
 use crate::kernels::rope::{copy_prefix, rope_tables};
 use crate::kernels::sample::{sample, SlotState, Truncation};
@@ -99,6 +99,8 @@ pub struct Engine<R: Runtime, F: Float> {
     pub stats: GenerateStats,
     /// Whether a device read may stay in flight while more work is submitted (CUDA: yes).
     async_reads: bool,
+    /// Decode steps as CUDA graphs (`QERL_GRAPH=1`).
+    graphs: crate::step_graphs::StepGraphs,
     _float: std::marker::PhantomData<F>,
 }
 
@@ -158,6 +160,7 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
             identity,
             stats: GenerateStats::default(),
             async_reads,
+            graphs: Default::default(),
             _float: std::marker::PhantomData,
         })
     }
@@ -177,7 +180,18 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
             ));
         }
         self.weights = weights;
+        self.graphs.clear();
         Ok(())
+    }
+
+    /// Decode steps captured as CUDA graphs and replayed so far (`QERL_GRAPH=1`), and why the
+    /// graphs were turned off, if they were.
+    pub fn graph_report(&self) -> (usize, usize, Option<String>) {
+        (
+            self.graphs.captured,
+            self.graphs.replayed,
+            self.graphs.off.clone(),
+        )
     }
 
     pub fn client(&self) -> &ComputeClient<R> {
@@ -309,7 +323,11 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
                 logit_count: rows,
                 context,
             };
-            forward::<R, F>(&c, &self.weights, &self.cos_sin, &self.kv, &self.ws, &pass)?;
+            let key = pass_key::<R, F>(&c, &self.weights, &self.kv, &self.ws, &pass);
+            let (w, cs, kv, ws) = (&self.weights, &self.cos_sin, &self.kv, &self.ws);
+            self.graphs.run(&c, key, &self.identity, || {
+                forward::<R, F>(&c, w, cs, kv, ws, &pass)
+            })?;
             sample(
                 &c,
                 &self.ws.logits,

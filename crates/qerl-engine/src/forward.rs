@@ -169,6 +169,31 @@ pub(crate) struct Pass<'a> {
     pub context: usize,
 }
 
+/// What of a pass's launches its host-side inputs decide (rows, logit rows, the attention's
+/// splits and span): two passes with the same key launch the same kernels with the same
+/// arguments, so a captured graph of one replays the other (`crate::step_graphs`).
+pub(crate) fn pass_key<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    w: &EngineWeights,
+    kv: &KvCache,
+    ws: &Workspace,
+    p: &Pass<'_>,
+) -> crate::step_graphs::StepKey {
+    let s = &w.shape;
+    let att = AttentionShape {
+        rows: p.rows,
+        q_heads: s.q_heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        capacity: kv.capacity,
+        slots: kv.slots,
+        context: p.context.min(kv.capacity),
+    };
+    let (splits, span) =
+        crate::kernels::attention::split_plan::<R, F>(client, &att, &ws.attn_scratch);
+    (p.rows, p.logit_count, splits, span)
+}
+
 /// Enqueues one pass; the logits of the selected rows land in `ws.logits`.
 pub(crate) fn forward<R: Runtime, F: Float>(
     client: &ComputeClient<R>,

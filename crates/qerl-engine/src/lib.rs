@@ -26,6 +26,7 @@ pub mod kernels;
 mod products;
 pub mod reference;
 pub mod shape;
+mod step_graphs;
 pub mod weights;
 
 pub use engine::{Completion, Engine, EngineConfig, GenerateStats, Request, Sampling};

@@ -382,6 +382,8 @@ pub struct CheckReport {
     pub first_tokens_equal: usize,
     pub requests: usize,
     pub max_logprob_diff: f64,
+    /// Decode steps captured as CUDA graphs and replayed (`QERL_GRAPH=1`).
+    pub graph_steps: (usize, usize),
 }
 
 /// A decode-batch shape for the check: wide enough (`K` 512, every segment a multiple of 128
@@ -420,6 +422,7 @@ pub fn check_engine<R: Runtime, F: Float + CubeElement>(
         first_tokens_equal: 0,
         requests: 0,
         max_logprob_diff: 0.0,
+        graph_steps: (0, 0),
     };
     let r = &mut report;
     check_shape::<R, F>(client, &test_shape(), (2, 5, 5, 4), seed, quant, r)?;
@@ -471,6 +474,9 @@ fn check_shape<R: Runtime, F: Float + CubeElement>(
         truncation: Default::default(),
     };
     let got = engine.generate(&reqs, &sampling)?;
+    let (captured, replayed, _) = engine.graph_report();
+    report.graph_steps.0 += captured;
+    report.graph_steps.1 += replayed;
     report.requests += reqs.len();
     for (r, g) in reqs.iter().zip(&got) {
         let (want, lps) = host.greedy(&r.prompt, r.max_new_tokens);

@@ -112,6 +112,11 @@ impl StreamBlas {
         Ok(made)
     }
 
+    /// cubecl's stream this handle queues on.
+    pub(crate) fn stream(&self) -> cu::CUstream {
+        self.state.lock().map_or(std::ptr::null_mut(), |s| s.stream)
+    }
+
     /// Queues the GEMMs (`launch` with this stream's handle) on cubecl's stream, after
     /// releasing the holds of batches that have finished; `held` (with its byte count) stays
     /// held until these GEMMs have finished too. Does not wait for them.

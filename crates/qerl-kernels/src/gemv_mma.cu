@@ -34,7 +34,9 @@
 // (the tokens and 128-deep chunks the shared copy of `X` holds: M and the slice's chunks),
 // STAGES (0: the register ring of DEPTH chunks), SPREAD_SHIFTS (1: the decoding's shifts of
 // sessions 12-31 instead of the multiply, for A/B runs), X_AHEAD_ON (0: `X` copied after the
-// first weight loads, as before session 33).
+// first weight loads, as before session 33), PDL (1: launched programmatically after the
+// kernel before, pdl.rs: the first weight loads and the scale table are read before
+// `griddepcontrol.wait`, everything that kernel wrote after it).
 // Then cuda_common.cu (the shared types, `imin`, `smem_addr`) and e2m1_spread.cu.
 
 // Scalars, packed by gemv_mma.rs in this order (u32 then f32).
@@ -420,7 +422,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const int first = c0 + kpart;
 #if X_AHEAD
     XAhead xa;
+#if !PDL
     x_ahead<false>(xs, xa, x, m_rows, k_dim, c0, c1 - c0, tid);
+#endif
     const float st = scale_table[tid];
 #endif
     // The first loads go out before `X` is copied and the scale table is built.
@@ -445,6 +449,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
         const int c = first + d * KP;
         if (c < c1) load_chunk(wq[d], sq[d], codes, scale_bytes, row_vec, row_word, c);
     }
+#endif
+#if PDL
+    // Weights only above; `X`, LoRA's `T` and the outputs are the kernel before's business
+    // until it has completed.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#if X_AHEAD
+    x_ahead<false>(xs, xa, x, m_rows, k_dim, c0, c1 - c0, tid);
+#endif
 #endif
     // Slice 0 carries the epilogue terms (the slices' sum is the output). The first LoRA step's
     // fragments are loaded now, so that the epilogue does not wait on them.

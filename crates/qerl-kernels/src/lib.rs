@@ -50,9 +50,13 @@ mod gemv;
 #[cfg(feature = "cuda")]
 mod gemv_mma;
 #[cfg(feature = "cuda")]
+pub mod graph;
+#[cfg(feature = "cuda")]
 pub mod lora_down_mma;
 #[cfg(feature = "cuda")]
 pub mod norm_cluster;
+#[cfg(feature = "cuda")]
+mod pdl;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;
@@ -63,6 +67,7 @@ pub mod upload;
 mod upload_cuda;
 #[cfg(feature = "wgpu")]
 mod wgpu_probe;
+mod workspace_arena;
 
 pub use device::{DeviceWeight, KernelError};
 

@@ -194,14 +194,16 @@ pub(crate) fn reduce_unless_kept<R: Runtime, F: Float>(
     None
 }
 
-/// A workspace for `splits` partial products of `m x n` f32.
+/// A workspace for `splits` partial products of `m x n` f32: fresh, or, while this thread
+/// records or replays a pass ([`crate::gemm::WorkspaceArena`]), the recorded one.
 pub(crate) fn workspace<R: Runtime>(
     client: &ComputeClient<R>,
     splits: usize,
     m: usize,
     n: usize,
 ) -> Handle {
-    client.empty(splits * m * n * std::mem::size_of::<f32>())
+    let bytes = splits * m * n * std::mem::size_of::<f32>();
+    crate::workspace_arena::workspace(bytes, || client.empty(bytes))
 }
 
 /// One unit per vector of `vs` consecutive outputs (16-byte loads of the partial sums where

@@ -77,3 +77,17 @@ pub(crate) fn sum_parts(
         out[group * rank + t] = total;
     }
 }
+
+/// `griddepcontrol.launch_dependents` in the CUDA source where `on` (compiled for sm_90 and
+/// later only): a product launched programmatically after this kernel (`qerl_kernels::pdl`)
+/// may then start its cubes and send its weight loads; they wait for this kernel's completion
+/// before they read anything it wrote. Called first thing by the kernels that come right
+/// before a product at batch 1 (the norms, the attention's merge, SiLU·mul); `on` only on CUDA.
+#[cube]
+pub(crate) fn allow_dependents(#[comptime] on: bool) {
+    if comptime!(on) {
+        comment!(
+            "\n*/\n#if __CUDA_ARCH__ >= 900\nasm volatile(\"griddepcontrol.launch_dependents;\");\n#endif\n/*\n"
+        );
+    }
+}

@@ -485,6 +485,35 @@ pub fn attention<R: Runtime, F: Float>(
     attention_with::<R, F>(client, s, io, scratch, splits, AttentionKernel::Auto, None);
 }
 
+/// The splits [`attention_with`] takes by default for `kernel`.
+fn default_splits<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    s: &AttentionShape,
+    scratch: &AttentionScratch,
+    kernel: AttentionKernel,
+) -> usize {
+    match super::attention_tc::use_tc::<R, F>(client, s, kernel) {
+        true => scratch.splits_to(s, scratch.tc_target()),
+        false => scratch.splits(s),
+    }
+}
+
+/// Positions a span of `splits` covers: whole tiles.
+fn span_of(s: &AttentionShape, splits: usize) -> usize {
+    s.covered().div_ceil(splits).div_ceil(TILE as usize) * TILE as usize
+}
+
+/// What of the launches of [`attention`] (default splits) depends on the context length: the
+/// splits and the span, which a captured decode step bakes in.
+pub fn split_plan<R: Runtime, F: Float>(
+    client: &ComputeClient<R>,
+    s: &AttentionShape,
+    scratch: &AttentionScratch,
+) -> (usize, usize) {
+    let splits = default_splits::<R, F>(client, s, scratch, AttentionKernel::Auto).max(1);
+    (splits, span_of(s, splits))
+}
+
 /// [`attention`] with the kernel chosen by the caller (tests compare the two kernels);
 /// `io` is `[q, k_cache, v_cache, slot, pos, out]`. With `o_lora`, where the context is split
 /// and the spans' merge can take it ([`super::attention_combine`]), the merge also computes the
@@ -508,10 +537,7 @@ pub fn attention_with<R: Runtime, F: Float>(
     let qw = vs.min(4);
     let base = s.rows * s.kv_heads;
     let splits = splits
-        .unwrap_or_else(|| match tc {
-            true => scratch.splits_to(&s, scratch.tc_target()),
-            false => scratch.splits(&s),
-        })
+        .unwrap_or_else(|| default_splits::<R, F>(client, &s, scratch, kernel))
         .max(1);
     let split = splits > 1;
     assert!(
@@ -519,8 +545,7 @@ pub fn attention_with<R: Runtime, F: Float>(
         "attention: {splits} splits of {base} cubes exceed the scratch ({} cubes)",
         scratch.cubes
     );
-    // Spans of whole tiles.
-    let span = s.covered().div_ceil(splits).div_ceil(TILE as usize) * TILE as usize;
+    let span = span_of(&s, splits);
     // Unsplit, the scratch is bound but never written.
     let (part_o, part_ml) = (scratch.part_o.clone(), scratch.part_ml.clone());
     let part_len = if split { base * splits * group } else { 1 };

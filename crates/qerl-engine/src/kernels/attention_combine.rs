@@ -17,7 +17,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::arrival::sum_parts;
+use super::arrival::{allow_dependents, sum_parts};
 use super::attention::{AttentionShape, MASKED, MAX_SPLITS, UNITS};
 use super::lora_down::plane_sums;
 use super::{grid_rows, row_of_cube};
@@ -54,7 +54,9 @@ fn combine_kernel<F: Float>(
     #[comptime] head_dim: usize,
     #[comptime] max_splits: usize,
     #[comptime] rank: usize,
+    #[comptime] pdl: bool,
 ) {
+    allow_dependents(pdl);
     let mut w = SharedMemory::<f32>::new(max_splits);
     let mut lw = SharedMemory::<f32>::new(max_splits);
     let cube = row_of_cube();
@@ -224,6 +226,7 @@ pub(super) fn combine<R: Runtime, F: Float>(
             d,
             MAX_SPLITS,
             rank,
+            R::name(client) == "cuda",
         );
     }
     lora.is_some()

@@ -28,7 +28,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::arrival::sum_parts;
+use super::arrival::{allow_dependents, sum_parts};
 use super::lora_down::{load_a, plane_sums};
 use super::norm::{cube_sum, inv_rms, residual_sum, Residual};
 use super::{vector_width, ROW_CUBE};
@@ -61,7 +61,9 @@ fn norm_lora_kernel<F: Float, V: Size, W: Size>(
     #[comptime] add: bool,
     #[comptime] slices: usize,
     #[comptime] per_unit: usize,
+    #[comptime] pdl: bool,
 ) {
+    allow_dependents(pdl);
     let vs = h.vector_size();
     let mut partial = SharedMemory::<f32>::new(ROW_CUBE as usize);
     let t = UNIT_POS_X as usize;
@@ -221,6 +223,7 @@ pub fn norm_lora<R: Runtime, F: Float>(
             add,
             slices,
             per_unit,
+            R::name(client) == "cuda",
         );
     }
     true
@@ -246,6 +249,7 @@ fn silu_lora_kernel<F: Float, V: Size>(
     vecs: u32,
     #[comptime] rank: usize,
 ) {
+    allow_dependents(true);
     let vs = gate.vector_size();
     let planes = comptime!(SILU_UNITS / 32);
     let mut red = SharedMemory::<f32>::new(comptime!(planes * rank));

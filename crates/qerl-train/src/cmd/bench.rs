@@ -143,6 +143,12 @@ fn bench_on<R: Runtime, F: Float + CubeElement>(
                 typed.tokens,
                 typed.max_logprob_diff
             );
+            if typed.graph_steps != (0, 0) || exact.graph_steps != (0, 0) {
+                println!(
+                    "check {name} graphs (captured, replayed): f32 {:?}, typed {:?}",
+                    exact.graph_steps, typed.graph_steps
+                );
+            }
             if exact.tokens_equal != exact.tokens || exact.max_logprob_diff > 2e-3 {
                 bail!("the engine does not match the host reference in f32: {exact:?}");
             }
@@ -191,6 +197,13 @@ fn bench_on<R: Runtime, F: Float + CubeElement>(
             r.reserved_mb / 1e3
         );
     }
+    let programmatic = qerl_kernels::gemm::programmatic_launches();
+    if programmatic > 0 || qerl_kernels::gemm::programmatic_failure().is_some() {
+        println!(
+            "pdl: {programmatic} products launched programmatically (last failure: {:?})",
+            qerl_kernels::gemm::programmatic_failure()
+        );
+    }
     if let Some(path) = &a.json {
         let text: String = all.iter().map(|r| json(r).to_string() + "\n").collect();
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
@@ -199,18 +212,28 @@ fn bench_on<R: Runtime, F: Float + CubeElement>(
 }
 
 fn line(r: &RolloutRow) -> String {
-    format!(
-        "{} {:?} batch {}: prefill {:.1} ms, decode {:.2} ms/step, {:.0} tokens/s ({:.0} decoding), {:.2} TB/s of weights, {:.1} GB reserved",
+    let graphs = match (r.graph_steps, &r.graph_off) {
+        ((0, 0), None) => String::new(),
+        ((c, p), off) => format!(
+            "; graphs: {c} captured, {p} replayed{}",
+            off.as_ref()
+                .map_or(String::new(), |o| format!(", off: {o}"))
+        ),
+    };
+    let text = format!(
+        "{} {:?} batch {}: tokens {:016x}, prefill {:.1} ms, decode {:.2} ms/step, {:.0} tokens/s ({:.0} decoding), {:.2} TB/s of weights, {:.1} GB reserved",
         r.shape,
         r.precision,
         r.batch,
+        r.token_digest,
         r.prefill_ms,
         r.decode_ms_per_step,
         r.tokens_per_s,
         r.decode_tokens_per_s,
         r.weight_tb_per_s,
         r.reserved_mb / 1e3
-    )
+    );
+    text + &graphs
 }
 
 fn json(r: &RolloutRow) -> serde_json::Value {

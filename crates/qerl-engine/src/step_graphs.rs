@@ -1,0 +1,95 @@
+//! Decode steps replayed as CUDA graphs (`QERL_GRAPH=1`; `qerl_kernels::graph` says why and
+//! how): the first step of a [`StepKey`] runs as usual and records its split-K workspaces, the
+//! second is captured on those workspaces and launched as a graph, the later ones replay it.
+//! Anything else (another runtime, the switch off, a capture that failed) runs the step the
+//! usual way.
+
+use std::collections::HashMap;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+use crate::EngineError;
+
+/// What a decode pass's launches depend on besides the device buffers: rows, logit rows, the
+/// attention's splits and span (`crate::forward::pass_key`).
+pub(crate) type StepKey = (usize, usize, usize, usize);
+
+/// The graphs of one engine's decode steps, by key; dropped when its weights change.
+#[derive(Default)]
+pub(crate) struct StepGraphs {
+    #[cfg(feature = "cuda")]
+    recorded: HashMap<StepKey, qerl_kernels::gemm::WorkspaceArena>,
+    #[cfg(feature = "cuda")]
+    ready: HashMap<StepKey, qerl_kernels::graph::StepGraph>,
+    #[cfg(not(feature = "cuda"))]
+    ready: HashMap<StepKey, ()>,
+    /// Why graphs were turned off for this engine, after a failure.
+    pub off: Option<String>,
+    /// Steps captured, and replayed.
+    pub captured: usize,
+    pub replayed: usize,
+}
+
+impl StepGraphs {
+    /// Forgets every graph (the buffers they baked in may change).
+    pub fn clear(&mut self) {
+        #[cfg(feature = "cuda")]
+        self.recorded.clear();
+        self.ready.clear();
+    }
+
+    /// Runs one decode pass of key `key`, which `forward` enqueues: replayed, captured, or as
+    /// usual. `sync` is any live buffer of the engine's.
+    pub fn run<R: Runtime>(
+        &mut self,
+        client: &ComputeClient<R>,
+        key: StepKey,
+        sync: &Handle,
+        mut forward: impl FnMut() -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
+        #[cfg(feature = "cuda")]
+        {
+            use qerl_kernels::gemm::WorkspaceArena;
+            use qerl_kernels::graph::{programmatic, StepGraph};
+            let cuda = (client as &dyn std::any::Any)
+                .downcast_ref::<ComputeClient<qerl_kernels::runtime::CudaRuntime>>();
+            let Some(cuda) = cuda.filter(|_| qerl_kernels::graph::enabled() && self.off.is_none())
+            else {
+                return forward();
+            };
+            if let Some(g) = self.ready.get(&key) {
+                if g.launch(cuda, sync) {
+                    self.replayed += 1;
+                    return Ok(());
+                }
+                self.off = Some("a graph launch failed".into());
+                return forward();
+            }
+            if let Some(arena) = self.recorded.remove(&key) {
+                match StepGraph::capture(cuda, sync, arena, programmatic(), &mut forward)? {
+                    Ok(g) => {
+                        if g.launch(cuda, sync) {
+                            self.captured += 1;
+                            self.ready.insert(key, g);
+                            return Ok(());
+                        }
+                        self.off = Some("a captured graph's first launch failed".into());
+                    }
+                    Err(e) => self.off = Some(format!("capture: {e:?}")),
+                }
+                return forward();
+            }
+            WorkspaceArena::record();
+            let ran = forward();
+            let (arena, _) = WorkspaceArena::finish();
+            self.recorded.insert(key, arena);
+            ran
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (client, key, sync);
+            forward()
+        }
+    }
+}
