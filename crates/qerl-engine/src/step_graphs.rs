@@ -11,6 +11,12 @@ use cubecl::server::Handle;
 
 use crate::EngineError;
 
+/// Most rows a captured step has: the batch-1 decode the graphs are for, whose launches are
+/// cubecl kernels only. Past it the products may cross to cuBLAS on cubecl's stream, which
+/// records and waits on events, not capturable (a batch-64 run hung, H200, 2026-11-29); and
+/// there the GPU, not the host, sets the pace anyway.
+pub(crate) const MAX_ROWS: usize = 8;
+
 /// What a decode pass's launches depend on besides the device buffers: rows, logit rows, the
 /// attention's splits and span (`crate::forward::pass_key`).
 pub(crate) type StepKey = (usize, usize, usize, usize);
@@ -54,8 +60,8 @@ impl StepGraphs {
             use qerl_kernels::graph::{programmatic, StepGraph};
             let cuda = (client as &dyn std::any::Any)
                 .downcast_ref::<ComputeClient<qerl_kernels::runtime::CudaRuntime>>();
-            let Some(cuda) = cuda.filter(|_| qerl_kernels::graph::enabled() && self.off.is_none())
-            else {
+            let wanted = qerl_kernels::graph::enabled() && self.off.is_none() && key.0 <= MAX_ROWS;
+            let Some(cuda) = cuda.filter(|_| wanted) else {
                 return forward();
             };
             if let Some(g) = self.ready.get(&key) {

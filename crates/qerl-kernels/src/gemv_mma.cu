@@ -150,6 +150,33 @@ __device__ __forceinline__ void compute_chunk(
     }
 }
 
+// `X` and LoRA's `T` are written by the kernel before this one. Launched programmatically
+// (PDL) this kernel runs while they are being written, so it reads them through L2
+// (`ld.global.cg`), never through the read-only path that `const __restrict__` allows, which
+// assumes the data does not change while the kernel runs (without this, a 7B step captured
+// with programmatic edges sampled other tokens from run to run, H200, 2026-11-29).
+__device__ __forceinline__ u32x4 load_act(const u32x4* p) {
+#if PDL
+    u32x4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+#else
+    return *p;
+#endif
+}
+
+__device__ __forceinline__ float load_act(const float* p) {
+#if PDL
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+#else
+    return *p;
+#endif
+}
+
 #if HAS_LORA
 // The fragments of the LoRA term's 16-deep step rc: rows g and g + 8 of B [N, r] (bf16 pairs)
 // as each row tile's A operand, s*T [M, r] (f32, rounded to bf16 pairs) as each token tile's B;
@@ -171,7 +198,7 @@ __device__ __forceinline__ void lora_frags(
             f.bt[mt][q] = 0u;
             if (m < m_rows && col < rank) {
                 const float* tr = lora_t + (long)m * rank + col;
-                f.bt[mt][q] = pack_bf16x2(tr[0] * lora_scale, tr[1] * lora_scale);
+                f.bt[mt][q] = pack_bf16x2(load_act(tr) * lora_scale, load_act(tr + 1) * lora_scale);
             }
         }
     }
@@ -255,7 +282,7 @@ __device__ __forceinline__ void copy_x(
     for (int i = tid; i < items; i += THREADS) {
         int src, dst;
         x_item(i, slice, k_dim, c0, src, dst);
-        put_x(xs, dst, x[src]);
+        put_x(xs, dst, load_act(x + src));
     }
 }
 
@@ -289,7 +316,7 @@ __device__ __forceinline__ void x_ahead(
             if (STORE)
                 put_x(xs, dst, a.v[j]);
             else
-                a.v[j] = x[src];
+                a.v[j] = load_act(x + src);
         }
     }
 }
