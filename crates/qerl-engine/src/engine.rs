@@ -99,7 +99,7 @@ pub struct Engine<R: Runtime, F: Float> {
     pub stats: GenerateStats,
     /// Whether a device read may stay in flight while more work is submitted (CUDA: yes).
     async_reads: bool,
-    /// Decode steps as CUDA graphs (`QERL_GRAPH=1`).
+    /// Decode steps as CUDA graphs (CUDA sm_90; `QERL_GRAPH=0` turns them off).
     graphs: crate::step_graphs::StepGraphs,
     _float: std::marker::PhantomData<F>,
 }
@@ -184,7 +184,7 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
         Ok(())
     }
 
-    /// Decode steps captured as CUDA graphs and replayed so far (`QERL_GRAPH=1`), and why the
+    /// Decode steps captured as CUDA graphs and replayed so far (CUDA sm_90; `QERL_GRAPH=0` turns them off), and why the
     /// graphs were turned off, if they were.
     pub fn graph_report(&self) -> (usize, usize, Option<String>) {
         (

@@ -76,18 +76,6 @@ pub(crate) struct Source {
     hash: u64,
 }
 
-impl Source {
-    /// The kernel text.
-    pub(crate) fn text(&self) -> &str {
-        &self.text
-    }
-
-    /// The hash naming the text (with its entry point).
-    pub(crate) fn hash(&self) -> u64 {
-        self.hash
-    }
-}
-
 /// Kernel texts by configuration, built once: building and hashing a text (15 KiB) took more
 /// host time than a launch, which at batch 1 is what the host has to keep ahead of the GPU.
 pub(crate) type SourceCache<K> = Mutex<HashMap<K, Source>>;
@@ -182,30 +170,6 @@ pub(crate) unsafe fn launch(
     unsafe { client.launch_unchecked(Box::new(task), count, args) };
 }
 
-/// [`launch`] with the buffers as handles: programmatically after the kernel queued before it
-/// where [`crate::pdl`] can ([`crate::pdl::launch`]), through cubecl otherwise.
-///
-/// # Safety
-/// As [`launch`]; and the kernel reads what the kernel before wrote only after
-/// `griddepcontrol.wait`, writing nothing before it (the wait is a no-op when cubecl launches).
-pub(crate) unsafe fn launch_after(
-    client: &ComputeClient<CudaRuntime>,
-    source: Source,
-    entry: &'static str,
-    threads: u32,
-    count: (u32, u32, u32),
-    buffers: Vec<Handle>,
-    scalars: &[u32],
-) {
-    // SAFETY: the caller's contract.
-    if unsafe { crate::pdl::launch(client, &source, entry, threads, count, &buffers, scalars) } {
-        return;
-    }
-    let bindings = buffers.into_iter().map(|h| h.binding()).collect();
-    // SAFETY: the caller's contract.
-    unsafe { launch(client, source, entry, threads, count, bindings, scalars) }
-}
-
 /// One weight's buffers and scalars as the hand-written products take them (one of up to three
 /// segments sharing `X`: q/k/v, gate/up).
 pub(crate) struct SegmentArgs {
@@ -246,15 +210,7 @@ impl SegmentArgs {
 /// The products' buffer arguments: `x`, then codes, scale bytes, scale table, bias, LoRA `T`,
 /// LoRA `B` and `Y` of three segments (the last one repeated where there are fewer).
 pub(crate) fn segment_bindings(x: &Handle, segs: &[SegmentArgs]) -> Vec<Binding> {
-    segment_handles(x, segs)
-        .into_iter()
-        .map(|h| h.binding())
-        .collect()
-}
-
-/// [`segment_bindings`] as handles.
-pub(crate) fn segment_handles(x: &Handle, segs: &[SegmentArgs]) -> Vec<Handle> {
-    let mut buffers: Vec<Handle> = vec![x.clone()];
+    let mut buffers: Vec<Binding> = vec![x.clone().binding()];
     for i in 0..3 {
         let s = &segs[i.min(segs.len() - 1)];
         for h in [
@@ -266,7 +222,7 @@ pub(crate) fn segment_handles(x: &Handle, segs: &[SegmentArgs]) -> Vec<Handle> {
             &s.lora_b,
             &s.y,
         ] {
-            buffers.push(h.clone());
+            buffers.push(h.clone().binding());
         }
     }
     buffers

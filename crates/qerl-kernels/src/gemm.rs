@@ -37,31 +37,6 @@ pub use crate::gemv::{
 pub use crate::splitk::force_splits;
 pub use crate::workspace_arena::WorkspaceArena;
 
-/// Products launched programmatically after the kernel before them (`QERL_PDL`, CUDA sm_90:
-/// the `pdl` module) in this process; always 0 without the `cuda` feature.
-pub fn programmatic_launches() -> usize {
-    #[cfg(feature = "cuda")]
-    {
-        crate::pdl::launches()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        0
-    }
-}
-
-/// Why a programmatic launch last fell back to cubecl's (compile or launch errors), if one did.
-pub fn programmatic_failure() -> Option<String> {
-    #[cfg(feature = "cuda")]
-    {
-        crate::pdl::failure()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        None
-    }
-}
-
 /// Products the decode kernel on tensor cores (`gemv_mma`, CUDA bf16 at up to 8 rows) has run
 /// in this process (tests check that it ran); always 0 without the `cuda` feature.
 pub fn gemv_mma_launches() -> usize {

@@ -35,7 +35,7 @@
 // STAGES (0: the register ring of DEPTH chunks), SPREAD_SHIFTS (1: the decoding's shifts of
 // sessions 12-31 instead of the multiply, for A/B runs), X_AHEAD_ON (0: `X` copied after the
 // first weight loads, as before session 33), PDL (1: launched programmatically after the
-// kernel before, pdl.rs: the first weight loads and the scale table are read before
+// kernel before inside a captured step, graph.rs: the first weight loads and the scale table are read before
 // `griddepcontrol.wait`, everything that kernel wrote after it).
 // Then cuda_common.cu (the shared types, `imin`, `smem_addr`) and e2m1_spread.cu.
 

@@ -359,7 +359,7 @@ impl Plan {
             ("STAGES", self.stages),
             ("SPREAD_SHIFTS", cuda_source::spread_shifts()),
             ("X_AHEAD_ON", Knobs::get().x_ahead as usize),
-            ("PDL", crate::pdl::texts_wait() as usize),
+            ("PDL", crate::graph::texts_wait() as usize),
         ]);
         text.push_str(cuda_source::COMMON);
         text.push_str(cuda_source::E2M1_SPREAD);
@@ -398,8 +398,8 @@ fn run(
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
     let seg = |i: usize| &segs[i.min(segs.len() - 1)];
     let (cubes0, cubes1) = cuda_source::segment_starts(segs, plan.width());
-    let mut buffers = cuda_source::segment_handles(x, segs);
-    buffers.push(part);
+    let mut buffers = cuda_source::segment_bindings(x, segs);
+    buffers.push(part.binding());
     // `Info` of gemv_mma.cu: nine u32, then three f32.
     let scalars = [
         m as u32,
@@ -420,7 +420,7 @@ fn run(
     // columns by the rank; the caller checked every buffer's size, `part` holds `splits·M·N`
     // f32 when split, and the scalars are `Info`'s layout.
     unsafe {
-        cuda_source::launch_after(
+        cuda_source::launch(
             client,
             cuda_source::cached(&SOURCES, &(*plan, block, flags, segs.len()), ENTRY, || {
                 plan.source(block, flags, segs.len())

@@ -19,20 +19,22 @@
 //! caller keys graphs by whatever changes them (rows, the attention's split) and drops them when
 //! the weights change; the arena keeps the workspaces' addresses alive.
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use cudarc::driver::sys as cu;
+use cudarc::driver::CudaContext;
 
+use crate::cubecl_stream::StreamBlas;
 use crate::gemm::WorkspaceArena;
-use crate::pdl::ordered_stream;
 
-/// Whether decode steps run as captured graphs: `QERL_GRAPH` (0 by default).
+/// Whether decode steps run as captured graphs: `QERL_GRAPH` (1 by default; 0 turns it off).
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| crate::device::env_knob("QERL_GRAPH", &|v| v <= 1, 0) == 1)
+    *ON.get_or_init(|| crate::device::env_knob("QERL_GRAPH", &|v| v <= 1, 1) == 1)
 }
 
 /// Whether the captured graphs' edges into the products are programmatic: `QERL_GRAPH_PDL`
@@ -40,6 +42,58 @@ pub fn enabled() -> bool {
 pub fn programmatic() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| crate::device::env_knob("QERL_GRAPH_PDL", &|v| v <= 1, 1) == 1)
+}
+
+/// Whether the products' texts wait (`griddepcontrol.wait`) after their first weight loads
+/// rather than load `X` first: where captured steps launch them programmatically.
+pub(crate) fn texts_wait() -> bool {
+    enabled() && programmatic()
+}
+
+/// cubecl's stream on one device, for a launch of ours after everything cubecl has queued.
+struct OrderedStream {
+    stream: cu::CUstream,
+}
+
+/// Each device's context (sm_90 only; `None` where it is another), by ordinal.
+fn contexts() -> &'static Mutex<HashMap<usize, Option<Arc<CudaContext>>>> {
+    static ALL: OnceLock<Mutex<HashMap<usize, Option<Arc<CudaContext>>>>> = OnceLock::new();
+    ALL.get_or_init(Default::default)
+}
+
+/// Asks for `handle`'s address: the blocking call that returns once cubecl's device thread has
+/// issued everything queued before it (so a launch of ours goes in after it); makes the
+/// device's context current on this thread; finds cubecl's stream (`cubecl_stream`). `None`
+/// where any is missing, or the device is not sm_90 (what `griddepcontrol` needs).
+fn ordered_stream(client: &ComputeClient<CudaRuntime>, handle: &Handle) -> Option<OrderedStream> {
+    let first = client.get_resource(handle.clone()).ok()?;
+    let ptr = first.resource().ptr;
+    let mut ordinal: i32 = 0;
+    // SAFETY: a live allocation of cubecl's; the attribute is an int.
+    let found = unsafe {
+        cu::cuPointerGetAttribute(
+            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    if found != cu::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    let ordinal = ordinal as usize;
+    let ctx = contexts()
+        .lock()
+        .ok()?
+        .entry(ordinal)
+        .or_insert_with(|| {
+            CudaContext::new(ordinal)
+                .ok()
+                .filter(|c| c.compute_capability().is_ok_and(|(major, _)| major == 9))
+        })
+        .clone()?;
+    ctx.bind_to_thread().ok()?;
+    let stream = StreamBlas::find(client, ordinal).ok()??.stream();
+    (!stream.is_null()).then_some(OrderedStream { stream })
 }
 
 /// A captured step, ready to launch; it holds the workspaces its launches use.

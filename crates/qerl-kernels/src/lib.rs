@@ -55,8 +55,6 @@ pub mod graph;
 pub mod lora_down_mma;
 #[cfg(feature = "cuda")]
 pub mod norm_cluster;
-#[cfg(feature = "cuda")]
-mod pdl;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;

@@ -197,13 +197,6 @@ fn bench_on<R: Runtime, F: Float + CubeElement>(
             r.reserved_mb / 1e3
         );
     }
-    let programmatic = qerl_kernels::gemm::programmatic_launches();
-    if programmatic > 0 || qerl_kernels::gemm::programmatic_failure().is_some() {
-        println!(
-            "pdl: {programmatic} products launched programmatically (last failure: {:?})",
-            qerl_kernels::gemm::programmatic_failure()
-        );
-    }
     if let Some(path) = &a.json {
         let text: String = all.iter().map(|r| json(r).to_string() + "\n").collect();
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
