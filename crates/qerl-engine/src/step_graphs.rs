@@ -15,6 +15,7 @@ use crate::EngineError;
 /// cubecl kernels only. Past it the products may cross to cuBLAS on cubecl's stream, which
 /// records and waits on events, not capturable (a batch-64 run hung, H200, 2026-11-29); and
 /// there the GPU, not the host, sets the pace anyway.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) const MAX_ROWS: usize = 8;
 
 /// What a decode pass's launches depend on besides the device buffers: rows, logit rows, the
