@@ -179,8 +179,15 @@ pub(crate) fn pass_key<R: Runtime, F: Float>(
     ws: &Workspace,
     p: &Pass<'_>,
 ) -> crate::step_graphs::StepKey {
-    let s = &w.shape;
-    let att = AttentionShape {
+    let att = attention_shape(&w.shape, kv, p);
+    let (splits, span) =
+        crate::kernels::attention::split_plan::<R, F>(client, &att, &ws.attn_scratch);
+    (p.rows, p.logit_count, splits, span)
+}
+
+/// The attention's shape in pass `p` (its split covers the positions `0..context`).
+fn attention_shape(s: &crate::ModelShape, kv: &KvCache, p: &Pass<'_>) -> AttentionShape {
+    AttentionShape {
         rows: p.rows,
         q_heads: s.q_heads,
         kv_heads: s.kv_heads,
@@ -188,10 +195,7 @@ pub(crate) fn pass_key<R: Runtime, F: Float>(
         capacity: kv.capacity,
         slots: kv.slots,
         context: p.context.min(kv.capacity),
-    };
-    let (splits, span) =
-        crate::kernels::attention::split_plan::<R, F>(client, &att, &ws.attn_scratch);
-    (p.rows, p.logit_count, splits, span)
+    }
 }
 
 /// Enqueues one pass; the logits of the selected rows land in `ws.logits`.
@@ -216,15 +220,7 @@ pub(crate) fn forward<R: Runtime, F: Float>(
         slots: kv.slots,
         max_positions: s.max_positions,
     };
-    let att = AttentionShape {
-        rows: m,
-        q_heads: s.q_heads,
-        kv_heads: s.kv_heads,
-        head_dim: s.head_dim,
-        capacity: kv.capacity,
-        slots: kv.slots,
-        context: p.context.min(kv.capacity),
-    };
+    let att = attention_shape(s, kv, p);
     // Which of `h`, `h2` holds the residual stream.
     let (mut res, mut spare) = (&ws.h, &ws.h2);
     // The down product's unreduced K-slices, where it left them for the next norm.
