@@ -183,7 +183,6 @@ impl StepGraph {
             unsafe { cu::cuStreamEndCapture(stream, &mut graph) },
             "cuStreamEndCapture",
         );
-        enqueued?;
         let made = (|| {
             ended?;
             if !drained {
@@ -196,12 +195,13 @@ impl StepGraph {
             unsafe { finish(graph, arena, programmatic) }
         })();
         if made.is_err() && !graph.is_null() {
-            // SAFETY: the capture's graph, not instantiated.
+            // SAFETY: the capture's graph, not instantiated (a made one owns and drops it).
             unsafe {
                 let _ = cu::cuGraphDestroy(graph);
             }
         }
-        Ok(made)
+        // A step that could not be enqueued is the caller's error, whatever was captured.
+        enqueued.map(|()| made)
     }
 
     /// Launches the step after everything queued on `client` so far (`sync` as in
