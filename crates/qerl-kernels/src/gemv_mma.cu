@@ -479,8 +479,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
 #endif
 #if PDL
     // Weights only above; `X`, LoRA's `T` and the outputs are the kernel before's business
-    // until it has completed.
+    // until it has completed (sm_90 and later; graphs only make edges programmatic there).
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 #if X_AHEAD
     x_ahead<false>(xs, xa, x, m_rows, k_dim, c0, c1 - c0, tid);
 #endif
