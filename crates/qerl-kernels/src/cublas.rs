@@ -79,6 +79,21 @@ pub(crate) fn output_type<O: 'static>() -> Option<sys::cudaDataType> {
     }
 }
 
+/// The ordinal of the device that holds `ptr`, a live device allocation (cubecl's).
+pub(crate) fn device_ordinal(ptr: u64) -> Result<usize, cudarc::driver::DriverError> {
+    let mut ordinal: i32 = 0;
+    // SAFETY: the caller's live device pointer; the attribute is an int.
+    unsafe {
+        cudarc::driver::sys::cuPointerGetAttribute(
+            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+            cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+        .result()?;
+    }
+    Ok(ordinal as usize)
+}
+
 /// The client as a CUDA client, or `None` on another runtime.
 pub(crate) fn cuda_client<R: Runtime>(
     client: &ComputeClient<R>,
@@ -192,23 +207,14 @@ pub(crate) fn run<R: Runtime>(
     let Some(&(first, _, _)) = launches.first() else {
         return Ok(());
     };
-    let mut ordinal: i32 = 0;
-    // SAFETY: `first` is a live device allocation of cubecl's (held above); the attribute is an int.
-    unsafe {
-        cudarc::driver::sys::cuPointerGetAttribute(
-            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
-            cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            first,
-        )
-        .result()
-        .map_err(|e| err(format!("device of a buffer: {e:?}")))?;
-    }
-    let dev = device_blas(ordinal as usize)?;
+    // `first` is a live device allocation of cubecl's (held above).
+    let ordinal = device_ordinal(first).map_err(|e| err(format!("device of a buffer: {e:?}")))?;
+    let dev = device_blas(ordinal)?;
     dev.ctx
         .bind_to_thread()
         .map_err(|e| err(format!("CUDA context: {e:?}")))?;
     let on_stream = match HOST_ORDERED.load(Ordering::Acquire) {
-        0 => StreamBlas::find(client, ordinal as usize)?,
+        0 => StreamBlas::find(client, ordinal)?,
         _ => None,
     };
     if let Some(on_stream) = on_stream {

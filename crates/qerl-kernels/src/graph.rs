@@ -70,19 +70,8 @@ fn contexts() -> &'static Mutex<HashMap<usize, Option<Arc<CudaContext>>>> {
 fn ordered_stream(client: &ComputeClient<CudaRuntime>, handle: &Handle) -> Option<OrderedStream> {
     let first = client.get_resource(handle.clone()).ok()?;
     let ptr = first.resource().ptr;
-    let mut ordinal: i32 = 0;
-    // SAFETY: a live allocation of cubecl's; the attribute is an int.
-    let found = unsafe {
-        cu::cuPointerGetAttribute(
-            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
-            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr,
-        )
-    };
-    if found != cu::CUresult::CUDA_SUCCESS {
-        return None;
-    }
-    let ordinal = ordinal as usize;
+    // `first` holds the allocation live.
+    let ordinal = crate::cublas::device_ordinal(ptr).ok()?;
     let ctx = contexts()
         .lock()
         .ok()?

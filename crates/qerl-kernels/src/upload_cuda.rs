@@ -209,18 +209,9 @@ pub(crate) fn upload(
     }
     // cubecl allocates on its own stream (`cuMemAllocAsync`): done before this stream writes.
     cubecl::future::block_on(client.sync()).map_err(|e| device_err(tensor, "cubecl sync", e))?;
-    let mut ordinal = 0i32;
-    // SAFETY: `ptr` is a device pointer of cubecl's (live: `out` holds it); the attribute is
-    // an `int`.
-    unsafe {
-        sys::cuPointerGetAttribute(
-            &mut ordinal as *mut i32 as *mut c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr,
-        )
-    }
-    .result()
-    .map_err(|e| device_err(tensor, "cuPointerGetAttribute", e))?;
+    // `ptr` is a device pointer of cubecl's (live: `out` holds it).
+    let ordinal = crate::cublas::device_ordinal(ptr)
+        .map_err(|e| device_err(tensor, "cuPointerGetAttribute", e))? as i32;
     let stager = match &mut state.stager {
         Some(s) if s.ordinal == ordinal => s,
         Some(s) => {
