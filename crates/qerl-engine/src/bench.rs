@@ -49,8 +49,8 @@ pub struct RolloutRow {
     /// Bytes the allocator held (reserved from the driver) after the run.
     pub reserved_mb: f64,
     pub in_use_mb: f64,
-    /// Decode steps captured as CUDA graphs and replayed (CUDA sm_90; `QERL_GRAPH=0` turns them off), and why graphs were
-    /// turned off, if they were.
+    /// Decode steps captured as CUDA graphs and replayed (CUDA sm_90; `QERL_GRAPH=0` turns them
+    /// off), and why graphs were turned off, if they were.
     pub graph_steps: (usize, usize),
     pub graph_off: Option<String>,
     /// A hash of the timed run's sampled tokens (FNV-1a over the completions in order): two

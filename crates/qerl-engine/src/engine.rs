@@ -184,8 +184,8 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
         Ok(())
     }
 
-    /// Decode steps captured as CUDA graphs and replayed so far (CUDA sm_90; `QERL_GRAPH=0` turns them off), and why the
-    /// graphs were turned off, if they were.
+    /// Decode steps captured as CUDA graphs and replayed so far (CUDA sm_90; `QERL_GRAPH=0` turns
+    /// them off), and why the graphs were turned off, if they were.
     pub fn graph_report(&self) -> (usize, usize, Option<String>) {
         (
             self.graphs.captured,

@@ -382,7 +382,8 @@ pub struct CheckReport {
     pub first_tokens_equal: usize,
     pub requests: usize,
     pub max_logprob_diff: f64,
-    /// Decode steps captured as CUDA graphs and replayed (CUDA sm_90; `QERL_GRAPH=0` turns them off).
+    /// Decode steps captured as CUDA graphs and replayed (CUDA sm_90; `QERL_GRAPH=0` turns them
+    /// off).
     pub graph_steps: (usize, usize),
 }
 

@@ -1,6 +1,7 @@
 //! Decode steps replayed as CUDA graphs (CUDA sm_90, at most [`MAX_ROWS`] rows; `QERL_GRAPH=0`
-//! turns it off; `qerl_kernels::graph` says why and how): the first step of a [`StepKey`] runs as usual and records its split-K workspaces, the
-//! second is captured on those workspaces and launched as a graph, the later ones replay it.
+//! turns it off; `qerl_kernels::graph` says why and how): the first step of a [`StepKey`] runs
+//! as usual and records its split-K workspaces, the second is captured on those workspaces and
+//! launched as a graph, the later ones replay it.
 //! Anything else (another runtime, the switch off, a capture that failed) runs the step the
 //! usual way.
 

@@ -79,10 +79,11 @@ pub(crate) fn sum_parts(
 }
 
 /// `griddepcontrol.launch_dependents` in the CUDA source where `on` (compiled for sm_90 and
-/// later only): a product launched programmatically after this kernel (an edge of a captured step, `qerl_kernels::graph`)
-/// may then start its cubes and send its weight loads; they wait for this kernel's completion
-/// before they read anything it wrote. Called first thing by the kernels that come right
-/// before a product at batch 1 (the norms, the attention's merge, SiLU·mul); `on` only on CUDA.
+/// later only): a product launched programmatically after this kernel (an edge of a captured
+/// step, `qerl_kernels::graph`) may then start its cubes and send its weight loads; they wait
+/// for this kernel's completion before they read anything it wrote. Called first thing by the
+/// kernels that come right before a product at batch 1 (the norms, the attention's merge,
+/// SiLU·mul); `on` only on CUDA.
 #[cube]
 pub(crate) fn allow_dependents(#[comptime] on: bool) {
     if comptime!(on) {
