@@ -52,6 +52,8 @@ pub struct RolloutRow {
     /// Decode steps captured as CUDA graphs and replayed (CUDA sm_90; `QERL_GRAPH=0` turns them
     /// off), and why graphs were turned off, if they were.
     pub graph_steps: (usize, usize),
+    /// The last captured step's kernels and programmatic edges.
+    pub graph_edges: Option<(usize, usize)>,
     pub graph_off: Option<String>,
     /// A hash of the timed run's sampled tokens (FNV-1a over the completions in order): two
     /// builds or settings that compute the same logits sample the same tokens (the sampler's
@@ -148,6 +150,7 @@ pub fn rollout<R: Runtime, F: Float + CubeElement>(
                 .map_or(0.0, |u| u.bytes_reserved as f64 / 1e6),
             in_use_mb: usage.as_ref().map_or(0.0, |u| u.bytes_in_use as f64 / 1e6),
             graph_steps: (captured, replayed),
+            graph_edges: engine.graph_edges(),
             graph_off,
             token_digest,
         };

@@ -194,6 +194,11 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
         )
     }
 
+    /// The last captured decode step's kernels and programmatic edges, if any was captured.
+    pub fn graph_edges(&self) -> Option<(usize, usize)> {
+        self.graphs.last
+    }
+
     pub fn client(&self) -> &ComputeClient<R> {
         &self.client
     }

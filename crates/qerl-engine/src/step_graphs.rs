@@ -37,6 +37,8 @@ pub(crate) struct StepGraphs {
     /// Steps captured, and replayed.
     pub captured: usize,
     pub replayed: usize,
+    /// The last captured graph's kernels and programmatic edges.
+    pub last: Option<(usize, usize)>,
 }
 
 impl StepGraphs {
@@ -59,7 +61,7 @@ impl StepGraphs {
         #[cfg(feature = "cuda")]
         {
             use qerl_kernels::gemm::WorkspaceArena;
-            use qerl_kernels::graph::{programmatic, StepGraph};
+            use qerl_kernels::graph::{programmatic_kernels, StepGraph};
             let cuda = (client as &dyn std::any::Any)
                 .downcast_ref::<ComputeClient<qerl_kernels::runtime::CudaRuntime>>();
             let wanted = qerl_kernels::graph::enabled() && self.off.is_none() && key.0 <= MAX_ROWS;
@@ -75,10 +77,12 @@ impl StepGraphs {
                 return forward();
             }
             if let Some(arena) = self.recorded.remove(&key) {
-                match StepGraph::capture(cuda, sync, arena, programmatic(), &mut forward)? {
+                let waiting = programmatic_kernels(&crate::kernels::WAITING_KERNELS);
+                match StepGraph::capture(cuda, sync, arena, &waiting, &mut forward)? {
                     Ok(g) => {
                         if g.launch(cuda, sync) {
                             self.captured += 1;
+                            self.last = Some((g.kernels, g.programmatic));
                             self.ready.insert(key, g);
                             return Ok(());
                         }

@@ -380,6 +380,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CUBES) qerl_gemv_mma(
     const float* __restrict__ scale_table2, const u16* __restrict__ bias2,
     const float* __restrict__ lora_t2, const u32* __restrict__ lora_b2, u16* y2,
     float* part, const Info info) {
+#if PDL && __CUDA_ARCH__ >= 900
+    // The kernel after this one in a captured step may start its cubes once all of this
+    // launch's are running (they wait for its completion before they read what it wrote).
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
     // Block scales times 2^63 as bf16 pairs (both halves the same).
     __shared__ u32 stab[256];
     // `X` of the cube's slice in fragment order (see the top of this file).

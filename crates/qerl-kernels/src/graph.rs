@@ -12,10 +12,11 @@
 //! launches), the step is enqueued as usual, a blocking cubecl call makes the device thread
 //! issue it all, and the capture ends. The graph is kept only where every node is a kernel
 //! (no copy, no allocation: the split-K workspaces come from a [`WorkspaceArena`] recorded
-//! on an earlier run of the same step). With `programmatic` the edges into the 4-bit products
-//! (`qerl_gemv_mma`) become programmatic: the product's cubes start as soon as the kernel before
-//! has let them (`griddepcontrol.launch_dependents`), send their weight loads and wait
-//! (`griddepcontrol.wait`) before they read what that kernel wrote.
+//! on an earlier run of the same step). The edges into the kernels named in `programmatic`
+//! become programmatic ([`programmatic_kernels`]): such a kernel's cubes start as soon as the
+//! kernel before has let them (`griddepcontrol.launch_dependents`), send what reads do not
+//! depend on the step (the products' first weight loads, LoRA's `A`) and wait
+//! (`griddepcontrol.wait`) before they read what the kernels before wrote.
 //!
 //! What a graph bakes in: every launch's grid and scalars, and every buffer's address. The
 //! caller keys graphs by whatever changes them (rows, the attention's split) and drops them when
@@ -39,17 +40,33 @@ pub fn enabled() -> bool {
     *ON.get_or_init(|| crate::device::env_knob("QERL_GRAPH", &|v| v <= 1, 1) == 1)
 }
 
-/// Whether the captured graphs' edges into the products are programmatic: `QERL_GRAPH_PDL`
-/// (1 by default).
-pub fn programmatic() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| crate::device::env_knob("QERL_GRAPH_PDL", &|v| v <= 1, 1) == 1)
+/// The entry point of the 4-bit products (`gemv_mma.cu`), whose texts wait where
+/// [`texts_wait`].
+pub const PRODUCT_KERNEL: &str = "qerl_gemv_mma";
+
+/// Which edges of a captured graph are programmatic, `QERL_GRAPH_PDL`: 0 none, 1 the edges
+/// into the products, 2 (the default) also those into the caller's waiting kernels.
+pub fn programmatic_level() -> usize {
+    static LEVEL: OnceLock<usize> = OnceLock::new();
+    *LEVEL.get_or_init(|| crate::device::env_knob("QERL_GRAPH_PDL", &|v| v <= 2, 2))
+}
+
+/// The kernels whose incoming edges a capture makes programmatic ([`programmatic_level`]):
+/// none, the products, or the products and `waiting` (entry points of kernels that call
+/// `griddepcontrol.wait` before they read what another kernel of the step wrote).
+pub fn programmatic_kernels<'a>(waiting: &[&'a str]) -> Vec<&'a str> {
+    match programmatic_level() {
+        0 => Vec::new(),
+        1 => vec![PRODUCT_KERNEL],
+        _ => std::iter::once(PRODUCT_KERNEL).chain(waiting.iter().copied()).collect(),
+    }
 }
 
 /// Whether the products' texts wait (`griddepcontrol.wait`) after their first weight loads
-/// rather than load `X` first: where captured steps launch them programmatically.
+/// rather than load `X` first, and let the kernel after them start early: where captured
+/// steps launch them programmatically.
 pub(crate) fn texts_wait() -> bool {
-    enabled() && programmatic()
+    enabled() && programmatic_level() >= 1
 }
 
 /// cubecl's stream on one device, for a launch of ours after everything cubecl has queued.
@@ -141,7 +158,7 @@ impl StepGraph {
         client: &ComputeClient<CudaRuntime>,
         sync: &Handle,
         recorded: WorkspaceArena,
-        programmatic: bool,
+        programmatic: &[&str],
         enqueue: impl FnOnce() -> Result<(), E>,
     ) -> Result<Result<StepGraph, CaptureError>, E> {
         // Everything queued so far goes out before the capture starts.
@@ -212,7 +229,7 @@ impl StepGraph {
 unsafe fn finish(
     graph: cu::CUgraph,
     arena: WorkspaceArena,
-    programmatic: bool,
+    programmatic: &[&str],
 ) -> Result<StepGraph, CaptureError> {
     let mut count = 0usize;
     // SAFETY: the caller's graph; first the count, then the nodes.
@@ -226,6 +243,9 @@ unsafe fn finish(
         "cuGraphGetNodes",
     )?;
     let mut waiting = 0usize;
+    let skip = skipped_kernels();
+    let skip: Vec<&str> = skip.iter().map(String::as_str).collect();
+    let mut off = Vec::new();
     for &node in &nodes {
         let mut kind = cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
         check(
@@ -235,8 +255,12 @@ unsafe fn finish(
         if kind != cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
             return Err(CaptureError::Node(format!("{kind:?}")));
         }
-        if programmatic && is_product(node)? {
+        let name = kernel_name(node)?;
+        if named(&name, programmatic) {
             waiting += unsafe { programmatic_edges(graph, node) }?;
+        }
+        if named(&name, &skip) {
+            off.push(node);
         }
     }
     let mut exec: cu::CUgraphExec = std::ptr::null_mut();
@@ -244,18 +268,52 @@ unsafe fn finish(
         unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
         "cuGraphInstantiate",
     )?;
-    Ok(StepGraph {
+    let step = StepGraph {
         graph,
         exec,
         kernels: count,
         programmatic: waiting,
         _workspaces: arena,
+    };
+    for node in off {
+        // SAFETY: a kernel node of the graph `exec` was instantiated from.
+        check(
+            unsafe { cu::cuGraphNodeSetEnabled(exec, node, 0) },
+            "cuGraphNodeSetEnabled",
+        )?;
+    }
+    Ok(step)
+}
+
+/// Kernels left out of every replay, `QERL_GRAPH_SKIP` (entry points between `,` or `+`; none
+/// by default): an experiment that measures what a kernel costs inside a replayed step, whose
+/// outputs are then wrong.
+fn skipped_kernels() -> &'static [String] {
+    static SKIP: OnceLock<Vec<String>> = OnceLock::new();
+    SKIP.get_or_init(|| {
+        std::env::var("QERL_GRAPH_SKIP")
+            .map(|v| {
+                v.split([',', '+'])
+                    .map(str::trim)
+                    .filter(|k| !k.is_empty())
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default()
     })
 }
 
-/// Whether a kernel node runs a 4-bit product of `gemv_mma.cu` (which waits on
-/// `griddepcontrol.wait` before it reads what the kernel before wrote).
-fn is_product(node: cu::CUgraphNode) -> Result<bool, CaptureError> {
+/// Whether `name` is one of `kernels`' entry points (cubecl's carry type suffixes after an
+/// underscore).
+fn named(name: &[u8], kernels: &[&str]) -> bool {
+    kernels.iter().any(|k| {
+        name.strip_prefix(k.as_bytes())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"_"))
+    })
+}
+
+/// The entry point a kernel node runs (empty where the driver names none).
+fn kernel_name(node: cu::CUgraphNode) -> Result<Vec<u8>, CaptureError> {
     // SAFETY: a zeroed parameter block is valid for the driver to fill.
     let mut p: cu::CUDA_KERNEL_NODE_PARAMS_v2 = unsafe { std::mem::zeroed() };
     check(
@@ -263,7 +321,7 @@ fn is_product(node: cu::CUgraphNode) -> Result<bool, CaptureError> {
         "cuGraphKernelNodeGetParams",
     )?;
     if p.func.is_null() {
-        return Ok(false);
+        return Ok(Vec::new());
     }
     let mut name: *const std::ffi::c_char = std::ptr::null();
     check(
@@ -271,11 +329,10 @@ fn is_product(node: cu::CUgraphNode) -> Result<bool, CaptureError> {
         "cuFuncGetName",
     )?;
     if name.is_null() {
-        return Ok(false);
+        return Ok(Vec::new());
     }
     // SAFETY: the driver's NUL-terminated name of a live function.
-    let name = unsafe { std::ffi::CStr::from_ptr(name) };
-    Ok(name.to_bytes() == b"qerl_gemv_mma")
+    Ok(unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes().to_vec())
 }
 
 /// Replaces `node`'s incoming edges from kernel nodes by programmatic ones; returns how many.

@@ -92,3 +92,19 @@ pub(crate) fn allow_dependents(#[comptime] on: bool) {
         );
     }
 }
+
+/// `griddepcontrol.wait` in the CUDA source where `on` (sm_90 and later): returns once the
+/// kernel before this one (launched before it on a programmatic edge of a captured step) has
+/// completed and its stores are visible; a no-op for a kernel launched the usual way. Every
+/// unit calls it before it reads anything a kernel of the step wrote, and such inputs are bound
+/// `&mut`: cubecl binds read-only arrays `const __restrict__`, whose loads the CUDA compiler
+/// may treat as invariant and move above the wait (the race session 34 found in the products).
+/// The kernels that call it are listed in [`super::WAITING_KERNELS`].
+#[cube]
+pub(crate) fn wait_for_primaries(#[comptime] on: bool) {
+    if comptime!(on) {
+        comment!(
+            "\n*/\n#if __CUDA_ARCH__ >= 900\nasm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n#endif\n/*\n"
+        );
+    }
+}

@@ -17,7 +17,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::arrival::{allow_dependents, sum_parts};
+use super::arrival::{allow_dependents, sum_parts, wait_for_primaries};
 use super::attention::{AttentionShape, MASKED, MAX_SPLITS, UNITS};
 use super::lora_down::plane_sums;
 use super::{grid_rows, row_of_cube};
@@ -40,8 +40,8 @@ pub const MAX_RANK: usize = 64;
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn combine_kernel<F: Float>(
-    part_o: &Array<f32>,
-    part_ml: &Array<f32>,
+    part_o: &mut Array<f32>,
+    part_ml: &mut Array<f32>,
     out: &mut Array<F>,
     a: &Array<F>,
     head_sums: &mut Array<f32>,
@@ -57,6 +57,7 @@ fn combine_kernel<F: Float>(
     #[comptime] pdl: bool,
 ) {
     allow_dependents(pdl);
+    wait_for_primaries(pdl);
     let mut w = SharedMemory::<f32>::new(max_splits);
     let mut lw = SharedMemory::<f32>::new(max_splits);
     let cube = row_of_cube();

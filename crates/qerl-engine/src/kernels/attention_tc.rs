@@ -44,6 +44,7 @@ use cubecl::server::Handle;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+use super::arrival::{allow_dependents, wait_for_primaries};
 use super::attention::AttentionShape;
 use super::{grid_rows, row_of_cube};
 
@@ -66,11 +67,11 @@ const RED_STRIDE: usize = 65;
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn attention_tc_kernel<F: Float, P: Size, KV: Size, VV: Size, QV: Size>(
-    q: &Array<u32>,
-    k_cache: &Array<Vector<u32, KV>>,
-    v_cache: &Array<Vector<u32, VV>>,
-    slot: &Array<u32>,
-    pos: &Array<u32>,
+    q: &mut Array<u32>,
+    k_cache: &mut Array<Vector<u32, KV>>,
+    v_cache: &mut Array<Vector<u32, VV>>,
+    slot: &mut Array<u32>,
+    pos: &mut Array<u32>,
     out: &mut Array<F>,
     part_o: &mut Array<f32>,
     part_ml: &mut Array<f32>,
@@ -84,6 +85,9 @@ fn attention_tc_kernel<F: Float, P: Size, KV: Size, VV: Size, QV: Size>(
     #[comptime] head_dim: usize,
     #[comptime] split: bool,
 ) {
+    // CUDA only: programmatic in a captured step (`super::WAITING_KERNELS`).
+    allow_dependents(true);
+    wait_for_primaries(true);
     let ksteps = comptime!(head_dim / 16);
     let ntiles = comptime!(head_dim / 8);
     // Words (channel pairs) of V a lane reads per position.

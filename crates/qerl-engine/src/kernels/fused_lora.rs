@@ -28,7 +28,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::arrival::{allow_dependents, sum_parts};
+use super::arrival::{allow_dependents, sum_parts, wait_for_primaries};
 use super::lora_down::{load_a, plane_sums};
 use super::norm::{cube_sum, inv_rms, residual_sum, Residual};
 use super::{vector_width, ROW_CUBE};
@@ -42,9 +42,9 @@ pub const MAX_ROWS: usize = 8;
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn norm_lora_kernel<F: Float, V: Size, W: Size>(
-    h: &Array<Vector<F, V>>,
-    d: &Array<Vector<F, V>>,
-    parts: &Array<Vector<f32, W>>,
+    h: &mut Array<Vector<F, V>>,
+    d: &mut Array<Vector<F, V>>,
+    parts: &mut Array<Vector<f32, W>>,
     gain: &Array<f32>,
     a0: &Array<Vector<F, V>>,
     a1: &Array<Vector<F, V>>,
@@ -85,6 +85,8 @@ fn norm_lora_kernel<F: Float, V: Size, W: Size>(
         let v = min(t + u * step, vecs - 1);
         av[u] = load_a::<F, V>(a0, a1, a2, s, j * vecs + v);
     }
+    // The adapter is the step's constant; the row is the kernels' before.
+    wait_for_primaries(pdl);
     #[unroll]
     for u in 0..per_unit {
         let v = min(t + u * step, vecs - 1);
@@ -239,8 +241,8 @@ const SILU_UNITS: usize = 256;
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn silu_lora_kernel<F: Float, V: Size>(
-    gate: &Array<Vector<F, V>>,
-    up: &Array<Vector<F, V>>,
+    gate: &mut Array<Vector<F, V>>,
+    up: &mut Array<Vector<F, V>>,
     a: &Array<Vector<F, V>>,
     out: &mut Array<Vector<F, V>>,
     slice_sums: &mut Array<f32>,
@@ -267,6 +269,7 @@ fn silu_lora_kernel<F: Float, V: Size>(
     for j in 0..rank {
         av[j] = a[j * vecs + vc];
     }
+    wait_for_primaries(true);
     let g = gate[row * vecs + vc];
     let u = up[row * vecs + vc];
     let mut o = Vector::<F, V>::empty();

@@ -23,6 +23,20 @@ pub mod sample;
 
 use cubecl::prelude::*;
 
+/// The entry points (cubecl's names: the function's, before its type suffixes) of the kernels
+/// that call `arrival::wait_for_primaries` on CUDA before they read anything another kernel of
+/// a decode step wrote, so that a captured step may launch them programmatically after the
+/// kernel before (`qerl_kernels::graph`): the norms with their LoRA, RoPE, attention on tensor
+/// cores, the spans' merge, SiLU·mul with its LoRA. A kernel listed here that did not wait
+/// would race with the one before it.
+pub const WAITING_KERNELS: [&str; 5] = [
+    "norm_lora_kernel",
+    "rope_kv_kernel",
+    "attention_tc_kernel",
+    "combine_kernel",
+    "silu_lora_kernel",
+];
+
 /// Units per cube of the row kernels (a power of two for the tree reductions).
 pub const ROW_CUBE: u32 = 256;
 

@@ -10,6 +10,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::{grid_rows, grid_rows_by, row_of_cube, ROW_CUBE};
+use super::arrival::{allow_dependents, wait_for_primaries};
 
 /// Channels `i` and `i + half` of one head at position `p`, `(x1, x2)` in f32, rotated by the
 /// position's angle and stored at `out[at]` and `out[at + half]`: the one rotation both kernels
@@ -37,10 +38,10 @@ fn store_rotated<F: Float>(
 #[allow(clippy::too_many_arguments)]
 fn rope_kv_kernel<F: Float>(
     q: &mut Array<F>,
-    k: &Array<F>,
-    v: &Array<F>,
-    slot: &Array<u32>,
-    pos: &Array<u32>,
+    k: &mut Array<F>,
+    v: &mut Array<F>,
+    slot: &mut Array<u32>,
+    pos: &mut Array<u32>,
     cos: &Array<f32>,
     sin: &Array<f32>,
     k_cache: &mut Array<F>,
@@ -50,7 +51,10 @@ fn rope_kv_kernel<F: Float>(
     kv_heads: u32,
     capacity: u32,
     #[comptime] head_dim: usize,
+    #[comptime] pdl: bool,
 ) {
+    allow_dependents(pdl);
+    wait_for_primaries(pdl);
     // One pair of channels a unit: the row's query pairs, then its key/value pairs, spread
     // over the grid's z dimension (a row's loop of dependent loads in one cube took 6 µs at
     // batch 1 on an H100).
@@ -143,6 +147,7 @@ pub fn rope_kv<R: Runtime, F: Float>(
             s.kv_heads as u32,
             s.capacity as u32,
             d,
+            R::name(client) == "cuda",
         );
     }
 }

@@ -208,7 +208,10 @@ fn line(r: &RolloutRow) -> String {
     let graphs = match (r.graph_steps, &r.graph_off) {
         ((0, 0), None) => String::new(),
         ((c, p), off) => format!(
-            "; graphs: {c} captured, {p} replayed{}",
+            "; graphs: {c} captured, {p} replayed{}{}",
+            r.graph_edges.map_or(String::new(), |(k, e)| format!(
+                " ({k} kernels, {e} programmatic edges)"
+            )),
             off.as_ref()
                 .map_or(String::new(), |o| format!(", off: {o}"))
         ),
