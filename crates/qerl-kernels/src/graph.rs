@@ -58,7 +58,9 @@ pub fn programmatic_kernels<'a>(waiting: &[&'a str]) -> Vec<&'a str> {
     match programmatic_level() {
         0 => Vec::new(),
         1 => vec![PRODUCT_KERNEL],
-        _ => std::iter::once(PRODUCT_KERNEL).chain(waiting.iter().copied()).collect(),
+        _ => std::iter::once(PRODUCT_KERNEL)
+            .chain(waiting.iter().copied())
+            .collect(),
     }
 }
 
@@ -332,7 +334,9 @@ fn kernel_name(node: cu::CUgraphNode) -> Result<Vec<u8>, CaptureError> {
         return Ok(Vec::new());
     }
     // SAFETY: the driver's NUL-terminated name of a live function.
-    Ok(unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes().to_vec())
+    Ok(unsafe { std::ffi::CStr::from_ptr(name) }
+        .to_bytes()
+        .to_vec())
 }
 
 /// Replaces `node`'s incoming edges from kernel nodes by programmatic ones; returns how many.

@@ -9,8 +9,8 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::{grid_rows, grid_rows_by, row_of_cube, ROW_CUBE};
 use super::arrival::{allow_dependents, wait_for_primaries};
+use super::{grid_rows, grid_rows_by, row_of_cube, ROW_CUBE};
 
 /// Channels `i` and `i + half` of one head at position `p`, `(x1, x2)` in f32, rotated by the
 /// position's angle and stored at `out[at]` and `out[at + half]`: the one rotation both kernels
