@@ -57,10 +57,24 @@ fn combine_kernel<F: Float>(
     #[comptime] pdl: bool,
 ) {
     allow_dependents(pdl);
+    let cube = row_of_cube();
+    // With the LoRA, unit t's column of `A` (the step's constant) before the wait: fetched
+    // while the attention still runs.
+    let mut av = Array::<f32>::new(comptime!(rank.max(1)));
+    if comptime!(rank > 0) {
+        let q_dim = q_heads as usize * head_dim;
+        let col = min(
+            (cube % q_heads as usize) * head_dim + UNIT_POS_X as usize,
+            q_dim - 1,
+        );
+        #[unroll]
+        for j in 0..rank {
+            av[j] = f32::cast_from(a[j * q_dim + col]);
+        }
+    }
     wait_for_primaries(pdl);
     let mut w = SharedMemory::<f32>::new(max_splits);
     let mut lw = SharedMemory::<f32>::new(max_splits);
-    let cube = row_of_cube();
     // Cube = (row, kv head, h): the partials of (row, kv head) are `splits` cubes apart.
     if cube < heads as usize {
         let t = UNIT_POS_X as usize;
@@ -117,9 +131,9 @@ fn combine_kernel<F: Float>(
             d += UNITS as usize;
         }
         if rank > 0 {
-            project::<F>(
+            project(
                 own,
-                a,
+                &av,
                 head_sums,
                 counters,
                 t_out,
@@ -133,12 +147,12 @@ fn combine_kernel<F: Float>(
 }
 
 /// The LoRA part of [`combine_kernel`] for cube `cube` = (row, query head) whose unit `t`
-/// holds channel `t`'s output `own` (0 past the head).
+/// holds channel `t`'s output `own` (0 past the head) and that channel's column of `A` in `av`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn project<F: Float>(
+fn project(
     own: f32,
-    a: &Array<F>,
+    av: &Array<f32>,
     head_sums: &mut Array<f32>,
     counters: &mut Array<Atomic<u32>>,
     t_out: &mut Array<f32>,
@@ -150,19 +164,16 @@ fn project<F: Float>(
     let t = UNIT_POS_X as usize;
     let row = cube / q_heads;
     let head = cube % q_heads;
-    let q_dim = q_heads * head_dim;
     // The head's channels are the first `head_dim / 32` planes' units.
     let planes = comptime!(head_dim.div_ceil(32));
     let mut red = SharedMemory::<f32>::new(comptime!(planes * rank));
     let plane = t / 32;
     if plane < planes {
         let live = t < head_dim;
-        let col = min(head * head_dim + t, q_dim - 1);
         let mut acc = Array::<f32>::new(rank);
         #[unroll]
         for j in 0..rank {
-            let x = f32::cast_from(a[j * q_dim + col]);
-            acc[j] = select(live, own * x, 0.0f32);
+            acc[j] = select(live, own * av[j], 0.0f32);
         }
         plane_sums(&mut acc, &mut red, (t % 32) as u32, plane, rank);
     }

@@ -30,6 +30,20 @@ fn store_rotated<F: Float>(
 ) {
     let c = cos[p * half + i];
     let s = sin[p * half + i];
+    store_rotated_by::<F>(out, at, x1, x2, c, s, half);
+}
+
+/// [`store_rotated`] with the angle's cosine and sine already loaded.
+#[cube]
+fn store_rotated_by<F: Float>(
+    out: &mut Array<F>,
+    at: usize,
+    x1: f32,
+    x2: f32,
+    c: f32,
+    s: f32,
+    half: usize,
+) {
     out[at] = F::cast_from(x1 * c - x2 * s);
     out[at + half] = F::cast_from(x2 * c + x1 * s);
 }
@@ -54,37 +68,41 @@ fn rope_kv_kernel<F: Float>(
     #[comptime] pdl: bool,
 ) {
     allow_dependents(pdl);
-    wait_for_primaries(pdl);
     // One pair of channels a unit: the row's query pairs, then its key/value pairs, spread
     // over the grid's z dimension (a row's loop of dependent loads in one cube took 6 µs at
     // batch 1 on an H100).
     let r = row_of_cube();
     let j = CUBE_POS_Z as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let half = head_dim / 2;
+    // The row's position and the pair's angle before the wait: no kernel of a decode step
+    // writes them before this one (the sampling at the step's end advances the position).
+    let p = pos[min(r, rows as usize - 1)] as usize;
+    let i = j % half;
+    let c = cos[p * half + i];
+    let s = sin[p * half + i];
+    wait_for_primaries(pdl);
     if r < rows as usize {
-        let half = head_dim / 2;
         let q_heads = q_heads as usize;
         let kv_heads = kv_heads as usize;
         let capacity = capacity as usize;
-        let p = pos[r] as usize;
         if j < q_heads * half {
             // Queries, rotated in place.
             let hd = j / half;
-            let i = j % half;
             let base = (r * q_heads + hd) * head_dim;
             let x1 = f32::cast_from(q[base + i]);
             let x2 = f32::cast_from(q[base + i + half]);
-            store_rotated::<F>(q, base + i, x1, x2, cos, sin, p, i, half);
+            store_rotated_by::<F>(q, base + i, x1, x2, c, s, half);
         } else if j < (q_heads + kv_heads) * half {
             // Keys, rotated into the cache; values copied.
             let jk = j - q_heads * half;
+            // `jk % half` is `i`: the queries' pairs are whole heads.
             let hd = jk / half;
-            let i = jk % half;
             let sl = slot[r] as usize;
             let src = (r * kv_heads + hd) * head_dim;
             let dst = ((sl * kv_heads + hd) * capacity + p) * head_dim;
             let x1 = f32::cast_from(k[src + i]);
             let x2 = f32::cast_from(k[src + i + half]);
-            store_rotated::<F>(k_cache, dst + i, x1, x2, cos, sin, p, i, half);
+            store_rotated_by::<F>(k_cache, dst + i, x1, x2, c, s, half);
             v_cache[dst + i] = v[src + i];
             v_cache[dst + i + half] = v[src + i + half];
         }
