@@ -96,6 +96,12 @@ pub struct Engine<R: Runtime, F: Float> {
     ws: Workspace,
     /// `0..slots`: the slot of decode row `i` is `i`.
     identity: Handle,
+    /// Each slot's next token and position (`u32`, `slots` each): the decode pass's inputs,
+    /// which captured steps bake in, so they live as long as the engine and every
+    /// [`Engine::generate`] resets them rather than allocating its own (a graph captured in
+    /// one call then replays correctly in the next).
+    step_tokens: Handle,
+    step_pos: Handle,
     pub stats: GenerateStats,
     /// Whether a device read may stay in flight while more work is submitted (CUDA: yes).
     async_reads: bool,
@@ -149,6 +155,8 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
         let ws = Workspace::new::<R, F>(&client, &weights, rows, config.slots);
         let ids: Vec<u32> = (0..config.slots as u32).collect();
         let identity = upload_u32(&client, &ids);
+        let zeros = vec![0u32; config.slots];
+        let (step_tokens, step_pos) = (upload_u32(&client, &zeros), upload_u32(&client, &zeros));
         let async_reads = R::name(&client).contains("cuda");
         Ok(Engine {
             client,
@@ -158,6 +166,8 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
             kv,
             ws,
             identity,
+            step_tokens,
+            step_pos,
             stats: GenerateStats::default(),
             async_reads,
             graphs: Default::default(),
@@ -264,9 +274,13 @@ impl<R: Runtime, F: Float + CubeElement> Engine<R, F> {
         let cap_new = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(1);
         let n_req = requests.len();
         let zeros = vec![0u32; slots];
+        let zeros_h = upload_u32(&c, &zeros);
+        for target in [&self.step_tokens, &self.step_pos] {
+            scatter(&c, target, slots, &self.identity, &zeros_h, slots);
+        }
         let state = SlotState {
-            tokens: upload_u32(&c, &zeros),
-            pos: upload_u32(&c, &zeros),
+            tokens: self.step_tokens.clone(),
+            pos: self.step_pos.clone(),
             generated: upload_u32(&c, &zeros),
             done: upload_u32(&c, &vec![1u32; slots]),
             request: upload_u32(&c, &zeros),

@@ -385,6 +385,9 @@ pub struct CheckReport {
     /// Decode steps captured as CUDA graphs and replayed (CUDA sm_90; `QERL_GRAPH=0` turns them
     /// off).
     pub graph_steps: (usize, usize),
+    /// Requests whose tokens a second `generate` of the same requests on the same engine
+    /// repeated (greedy: all of them; that call replays the first's graphs).
+    pub repeated: usize,
 }
 
 /// A decode-batch shape for the check: wide enough (`K` 512, every segment a multiple of 128
@@ -424,6 +427,7 @@ pub fn check_engine<R: Runtime, F: Float + CubeElement>(
         requests: 0,
         max_logprob_diff: 0.0,
         graph_steps: (0, 0),
+        repeated: 0,
     };
     let r = &mut report;
     check_shape::<R, F>(client, &test_shape(), (2, 5, 5, 4), seed, quant, r)?;
@@ -475,6 +479,13 @@ fn check_shape<R: Runtime, F: Float + CubeElement>(
         truncation: Default::default(),
     };
     let got = engine.generate(&reqs, &sampling)?;
+    // Again on the same engine: its decode steps replay the graphs the first call captured.
+    let again = engine.generate(&reqs, &sampling)?;
+    report.repeated += got
+        .iter()
+        .zip(&again)
+        .filter(|(a, b)| a.tokens == b.tokens)
+        .count();
     let (captured, replayed, _) = engine.graph_report();
     report.graph_steps.0 += captured;
     report.graph_steps.1 += replayed;

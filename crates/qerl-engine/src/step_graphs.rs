@@ -4,6 +4,12 @@
 //! launched as a graph, the later ones replay it.
 //! Anything else (another runtime, the switch off, a capture that failed) runs the step the
 //! usual way.
+//!
+//! A graph holds the addresses of every buffer its step reads and writes, so those must live as
+//! long as the graph: the engine's weights, workspaces, KV cache and its slots' tokens and
+//! positions (`Engine::generate` resets those two in place; until session 35 it allocated them
+//! per call, and a graph captured in one call read the previous call's freed buffers in the
+//! next).
 
 use std::collections::HashMap;
 

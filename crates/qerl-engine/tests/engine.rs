@@ -197,6 +197,7 @@ fn the_benchmark_check_passes_on_wgpu() {
     for quant in [false, true] {
         let r = check_engine::<R, f32>(&c, 11, quant).unwrap();
         assert_eq!(r.tokens_equal, r.tokens, "{r:?}");
+        assert_eq!(r.repeated, r.requests, "{r:?}");
         assert!(r.max_logprob_diff < 2e-3, "{r:?}");
     }
 }

@@ -149,6 +149,13 @@ fn bench_on<R: Runtime, F: Float + CubeElement>(
                     exact.graph_steps, typed.graph_steps
                 );
             }
+            println!(
+                "check {name} repeated by a second call on the same engine: f32 {}/{}, typed {}/{}",
+                exact.repeated, exact.requests, typed.repeated, typed.requests
+            );
+            if exact.repeated != exact.requests || typed.repeated != typed.requests {
+                bail!("a second generate on the same engine gave other tokens: f32 {exact:?}, typed {typed:?}");
+            }
             if exact.tokens_equal != exact.tokens || exact.max_logprob_diff > 2e-3 {
                 bail!("the engine does not match the host reference in f32: {exact:?}");
             }
