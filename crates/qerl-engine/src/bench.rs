@@ -115,12 +115,14 @@ pub fn rollout<R: Runtime, F: Float + CubeElement>(
             eos: vec![],
             truncation: spec.truncation,
         };
-        // Compile every kernel of this batch size (prefill and decode) before timing.
-        engine.generate(&requests(2), &sampling)?;
-        // The prefill alone, the faster of two runs: the decode time is the timed run's less
-        // this, and the first run after a fresh start can be slow (on an H200, 2026-11-29, the
-        // first row of two calls printed 0.00 and 5.53 ms a step where the next printed 1.79
-        // and 7.92).
+        // One whole run before timing: it compiles every kernel of this batch size and, on
+        // CUDA, captures the graph of every decode step the timed run will replay. (Until
+        // session 35 only two tokens ran first, and the timed run and the prefill run below each
+        // captured a graph, whose cost the subtraction below cancelled only where the two
+        // captures cost the same.)
+        engine.generate(&requests(spec.new_tokens), &sampling)?;
+        // The prefill alone (with the one decode step a call always runs), the faster of two
+        // runs: the decode time is the timed run's less this.
         let mut prefill = f64::INFINITY;
         for _ in 0..2 {
             let t = Instant::now();
@@ -136,7 +138,8 @@ pub fn rollout<R: Runtime, F: Float + CubeElement>(
             .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
                 (h ^ t as u64).wrapping_mul(0x100_0000_01b3)
             });
-        let steps = spec.new_tokens.saturating_sub(1).max(1);
+        // The timed run's decode steps beyond the one the prefill run also ran.
+        let steps = spec.new_tokens.saturating_sub(2).max(1);
         let step = ((total - prefill) / steps as f64).max(1e-9);
         let usage = client.memory_usage().ok();
         let (captured, replayed, graph_off) = engine.graph_report();
