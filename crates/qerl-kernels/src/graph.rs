@@ -4,8 +4,9 @@
 //! time on each (its device thread: a kernel id, a context switch, stream bookkeeping), about
 //! as long as the GPU spends on the step; the host, not the GPU, then sets the pace. A graph
 //! replays all of a step's launches with one call: on an H200 (2026-11-29) the 7B step at batch
-//! 1 went from 3.09-3.26 ms to 1.89-1.92, the 32B one from 10.15 to 8.29-8.51, with the same
-//! sampled tokens (docs/benchmarks/rollout.md, session 34).
+//! 1 went from 3.07 ms to 2.47 with every edge programmatic (2.60 with the products' only), the
+//! 32B one from 10.24 to 8.71 (9.15), with the same sampled tokens
+//! (docs/benchmarks/rollout.md, sessions 34 and 35).
 //!
 //! How ([`StepGraph::capture`]): cubecl's stream (`cubecl_stream`) is put in capture mode
 //! (`CU_STREAM_CAPTURE_MODE_RELAXED`: cubecl's device thread, not this one, issues the
