@@ -271,21 +271,27 @@ unsafe fn finish(
         unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
         "cuGraphInstantiate",
     )?;
-    let step = StepGraph {
+    for node in off {
+        // SAFETY: a kernel node of the graph `exec` was instantiated from.
+        let disabled = check(
+            unsafe { cu::cuGraphNodeSetEnabled(exec, node, 0) },
+            "cuGraphNodeSetEnabled",
+        );
+        if let Err(e) = disabled {
+            // SAFETY: the instantiation above; the caller destroys `graph`.
+            unsafe {
+                let _ = cu::cuGraphExecDestroy(exec);
+            }
+            return Err(e);
+        }
+    }
+    Ok(StepGraph {
         graph,
         exec,
         kernels: count,
         programmatic: waiting,
         _workspaces: arena,
-    };
-    for node in off {
-        // SAFETY: a kernel node of the graph `exec` was instantiated from.
-        check(
-            unsafe { cu::cuGraphNodeSetEnabled(exec, node, 0) },
-            "cuGraphNodeSetEnabled",
-        )?;
-    }
-    Ok(step)
+    })
 }
 
 /// Kernels left out of every replay, `QERL_GRAPH_SKIP` (entry points between `,` or `+`; none
