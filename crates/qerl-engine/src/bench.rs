@@ -72,6 +72,17 @@ pub fn weight_bytes(shape: &ModelShape, precision: RandomPrecision, elem: usize)
     frozen + (shape.vocab * shape.hidden * elem) as f64
 }
 
+/// `QERL_BENCH_PREFILL_RUNS` (1 to 4; 2 by default): the prefill-only runs before the timed
+/// one. On CUDA the timed run's tokens depend on their number (docs/benchmarks/rollout.md,
+/// session 35), which this knob lets an experiment pin down.
+fn prefill_runs() -> usize {
+    std::env::var("QERL_BENCH_PREFILL_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| (1..=4).contains(n))
+        .unwrap_or(2)
+}
+
 /// Runs every batch size of `spec` on one engine per batch (the KV cache sized for it).
 pub fn rollout<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
@@ -121,10 +132,11 @@ pub fn rollout<R: Runtime, F: Float + CubeElement>(
         // captured a graph, whose cost the subtraction below cancelled only where the two
         // captures cost the same.)
         engine.generate(&requests(spec.new_tokens), &sampling)?;
-        // The prefill alone (with the one decode step a call always runs), the faster of two
-        // runs: the decode time is the timed run's less this.
+        // The prefill alone (with the one decode step a call always runs), the fastest of
+        // two runs (`QERL_BENCH_PREFILL_RUNS`, 1 to 4, for experiments): the decode time is the
+        // timed run's less this.
         let mut prefill = f64::INFINITY;
-        for _ in 0..2 {
+        for _ in 0..prefill_runs() {
             let t = Instant::now();
             engine.generate(&requests(1), &sampling)?;
             prefill = prefill.min(t.elapsed().as_secs_f64());
